@@ -1,0 +1,456 @@
+"""Typed, validated configuration: one frozen dataclass per component, TOML in, TOML out.
+
+Invariants:
+- Every field has a type, a default and a one-line comment; `__post_init__` refuses values
+  out of range with a message naming the field and what is allowed.
+- Loading refuses unknown keys and wrong types (a `ConfigError` naming the dotted key), so a
+  typo never silently falls back to a default.
+- `dump_toml(load_config(x))` loads back to an equal config: the resolved config written to
+  the run directory repeats the run exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.errors import ConfigError
+
+
+def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The base model every engine and the trainer start from."""
+
+    path: str = ""  # a local transformers model directory; "" builds the built-in model offline
+    shape: Literal["tiny", "small", "qwen2.5-0.5b"] = "tiny"  # shape of the built-in model (path = "")
+    cache_dir: str = ".cache/models"  # where built-in models are built once and reused
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of engines built on transformers
+    trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
+
+    def __post_init__(self) -> None:
+        if self.path:
+            _check(Path(self.path).is_dir(), "model.path", "an existing model directory", self.path)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """The built-in task (research code passes its own prompts and reward instead)."""
+
+    name: Literal["char_class", "copy"] = "char_class"  # see pipeline.tasks for what each rewards
+    num_prompts: int = 512  # size of the prompt set; the source cycles through it in epochs
+    seed: int = 0  # which prompts are drawn
+
+    def __post_init__(self) -> None:
+        _check(self.num_prompts >= 1, "task.num_prompts", ">= 1", self.num_prompts)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled. Defaults are the on-policy contract: temperature 1, no truncation."""
+
+    n: int = 8  # completions per prompt (the GRPO group size)
+    max_new_tokens: int = 16  # completion length cap
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    per_request_seed: bool = False  # seed every group from (run seed, group id); costs vLLM throughput
+
+    def __post_init__(self) -> None:
+        _check(self.n >= 1, "sampling.n", ">= 1", self.n)
+        _check(self.max_new_tokens >= 1, "sampling.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check(self.temperature > 0, "sampling.temperature", "> 0", self.temperature)
+        _check(0 < self.top_p <= 1, "sampling.top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k >= 0, "sampling.top_k", ">= 0 (0 = off)", self.top_k)
+        _check(0 <= self.min_p < 1, "sampling.min_p", "in [0, 1)", self.min_p)
+        _check(self.repetition_penalty > 0, "sampling.repetition_penalty", "> 0", self.repetition_penalty)
+
+    def off_policy_settings(self) -> list[str]:
+        """The settings that make sampled log-probs differ from the policy's own."""
+        bad = []
+        if self.temperature != 1.0:
+            bad.append(f"temperature={self.temperature}")
+        if self.top_p != 1.0:
+            bad.append(f"top_p={self.top_p}")
+        if self.top_k != 0:
+            bad.append(f"top_k={self.top_k}")
+        if self.min_p != 0.0:
+            bad.append(f"min_p={self.min_p}")
+        if self.repetition_penalty != 1.0:
+            bad.append(f"repetition_penalty={self.repetition_penalty}")
+        if self.presence_penalty != 0.0:
+            bad.append(f"presence_penalty={self.presence_penalty}")
+        if self.frequency_penalty != 0.0:
+            bad.append(f"frequency_penalty={self.frequency_penalty}")
+        return bad
+
+
+@dataclass(frozen=True)
+class TransformersEngineConfig:
+    """The transformers engine: batches concurrent group requests into one forward loop."""
+
+    max_batch_groups: int = 16  # most groups sampled together in one decoding loop
+    max_loaded_adapters: int = 0  # 0 = max_staleness + 1
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch_groups >= 1, "engine.transformers.max_batch_groups", ">= 1", self.max_batch_groups)
+        _check(self.max_loaded_adapters >= 0, "engine.transformers.max_loaded_adapters", ">= 0", self.max_loaded_adapters)
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """The vLLM engine (one AsyncLLM per entry of engine.devices)."""
+
+    gpu_memory_utilization: float = 0.85  # per engine; two engines on one GPU need <= 0.45 each
+    enforce_eager: bool = False  # skip torch.compile and CUDA graphs: starts faster, runs slower
+    max_model_len: int = 2048
+    max_num_seqs: int = 1024  # sequences the scheduler runs at once
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_lora_rank: int = 16
+    max_loras: int = 0  # adapters resident on the GPU; 0 = max_staleness + 2
+    seed: int = 0  # the engine's own seed (used when sampling.per_request_seed is off)
+
+    def __post_init__(self) -> None:
+        _check(0 < self.gpu_memory_utilization <= 1, "engine.vllm.gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.max_model_len >= 16, "engine.vllm.max_model_len", ">= 16", self.max_model_len)
+        _check(self.max_num_seqs >= 1, "engine.vllm.max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_lora_rank in (8, 16, 32, 64, 128, 256, 320, 512), "engine.vllm.max_lora_rank",
+               "one of 8, 16, 32, 64, 128, 256, 320, 512 (vLLM's choices)", self.max_lora_rank)
+        _check(self.max_loras >= 0, "engine.vllm.max_loras", ">= 0", self.max_loras)
+
+
+@dataclass(frozen=True)
+class SimulatedEngineConfig:
+    """A model-free engine with a set speed, for tests and benchmarks."""
+
+    latency_s: float = 0.0  # seconds per group
+    concurrency: int = 0  # groups it works on at once; 0 = unlimited
+    completion_tokens: int = 16  # tokens per completion
+    vocab_size: int = 128
+
+    def __post_init__(self) -> None:
+        _check(self.latency_s >= 0, "engine.simulated.latency_s", ">= 0", self.latency_s)
+        _check(self.concurrency >= 0, "engine.simulated.concurrency", ">= 0 (0 = unlimited)", self.concurrency)
+        _check(self.completion_tokens >= 1, "engine.simulated.completion_tokens", ">= 1", self.completion_tokens)
+        _check(self.vocab_size >= 2, "engine.simulated.vocab_size", ">= 2", self.vocab_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which engines generate, and where."""
+
+    kind: Literal["transformers", "vllm", "simulated"] = "transformers"
+    devices: tuple[str, ...] = ("cpu",)  # one engine per entry; repeat a GPU to put two engines on it
+    request_timeout_s: float = 600.0  # a group that takes longer counts as failed
+    transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    simulated: SimulatedEngineConfig = field(default_factory=SimulatedEngineConfig)
+
+    def __post_init__(self) -> None:
+        _check(len(self.devices) >= 1, "engine.devices", "a non-empty list like [\"cuda:0\"]", self.devices)
+        for d in self.devices:
+            _check(d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()), "engine.devices",
+                   'a list of "cpu" or "cuda:N"', d)
+        _check(self.request_timeout_s > 0, "engine.request_timeout_s", "> 0", self.request_timeout_s)
+        if self.kind == "vllm":
+            for d in self.devices:
+                _check(d.startswith("cuda:"), "engine.devices", 'GPUs ("cuda:N") for the vLLM engine', d)
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The LoRA trainer on its own device."""
+
+    kind: Literal["peft", "simulated"] = "peft"  # simulated: a trainer that only waits (benchmarks)
+    device: str = "cpu"  # "cpu" or "cuda:N"
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, ...] = (0.9, 0.99)
+    grad_clip: float = 1.0  # max global gradient norm; 0 = off
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)  # module names, or "all-linear"
+    micro_batch_sequences: int = 64  # sequences per forward/backward (gradient accumulation)
+    dtype: Literal["float32", "bfloat16"] = "float32"  # base weights; LoRA weights are always float32
+    step_s: float = 0.0  # simulated trainer only: seconds per step
+
+    def __post_init__(self) -> None:
+        _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
+               "trainer.device", '"cpu" or "cuda:N"', self.device)
+        _check(self.lr >= 0 and math.isfinite(self.lr), "trainer.lr", ">= 0", self.lr)
+        _check(self.weight_decay >= 0, "trainer.weight_decay", ">= 0", self.weight_decay)
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
+               "two numbers in [0, 1)", self.betas)
+        _check(self.grad_clip >= 0, "trainer.grad_clip", ">= 0 (0 = off)", self.grad_clip)
+        _check(self.lora_rank >= 1, "trainer.lora_rank", ">= 1", self.lora_rank)
+        _check(self.lora_alpha > 0, "trainer.lora_alpha", "> 0", self.lora_alpha)
+        _check(0 <= self.lora_dropout < 1, "trainer.lora_dropout", "in [0, 1)", self.lora_dropout)
+        _check(len(self.target_modules) >= 1, "trainer.target_modules", "a non-empty list", self.target_modules)
+        _check(self.micro_batch_sequences >= 1, "trainer.micro_batch_sequences", ">= 1", self.micro_batch_sequences)
+        _check(self.step_s >= 0, "trainer.step_s", ">= 0", self.step_s)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """GRPO advantages and the importance-corrected policy loss."""
+
+    correction: Literal["tis", "ppo", "none"] = "tis"  # tis: truncated IS; ppo: decoupled PPO; none: plain
+    is_cap: float = 2.0  # C: truncation of the behaviour importance weight (tis and ppo)
+    clip_eps: float = 0.2  # ppo: clip of the ratio to the proximal policy
+    scale_rewards: bool = True  # divide group-centred rewards by the group's std
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"  # mean over tokens, or per sequence first
+    logratio_clamp: float = 20.0  # |log-ratio| cap before exp, so a large mismatch cannot overflow
+
+    def __post_init__(self) -> None:
+        _check(self.is_cap >= 1, "loss.is_cap", ">= 1", self.is_cap)
+        _check(0 < self.clip_eps < 1, "loss.clip_eps", "in (0, 1)", self.clip_eps)
+        # above ~80, exp(clamp) * advantage overflows float32 in the ppo objective
+        _check(0 < self.logratio_clamp <= 50, "loss.logratio_clamp", "in (0, 50]", self.logratio_clamp)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """The orchestration: how many steps, how big a batch, how stale a group may be."""
+
+    steps: int = 150  # training steps (= versions published)
+    batch_groups: int = 8  # B: groups per training step
+    max_staleness: int = 1  # K: a group sampled at version k trains at version <= k + K; 0 = synchronous
+    buffer_capacity: int = 0  # completed groups held at most; 0 = (max_staleness + 1) * batch_groups
+    filter_zero_advantage: bool = False  # drop groups whose rewards are all equal (no learning signal)
+    logprob_check_every: int = 50  # steps between checks of engine vs trainer log-probs; 0 = only at start
+    logprob_check_groups: int = 2  # groups recomputed per check
+    logprob_warn_mean_abs: float = 0.1  # warn when mean |engine - trainer| log-prob exceeds this
+    shutdown_timeout_s: float = 30.0  # how long shutdown waits for tasks before giving up
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 1, "pipeline.steps", ">= 1", self.steps)
+        _check(self.batch_groups >= 1, "pipeline.batch_groups", ">= 1", self.batch_groups)
+        _check(self.max_staleness >= 0, "pipeline.max_staleness", ">= 0", self.max_staleness)
+        _check(self.buffer_capacity == 0 or self.buffer_capacity >= (self.max_staleness + 1) * self.batch_groups,
+               "pipeline.buffer_capacity", f"0 (auto) or >= (max_staleness + 1) * batch_groups = "
+               f"{(self.max_staleness + 1) * self.batch_groups}", self.buffer_capacity)
+        _check(self.logprob_check_every >= 0, "pipeline.logprob_check_every", ">= 0", self.logprob_check_every)
+        _check(self.logprob_check_groups >= 0, "pipeline.logprob_check_groups", ">= 0", self.logprob_check_groups)
+        _check(self.shutdown_timeout_s > 0, "pipeline.shutdown_timeout_s", "> 0", self.shutdown_timeout_s)
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer_capacity or (self.max_staleness + 1) * self.batch_groups
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The adapter store on a (shared) filesystem."""
+
+    root: str = ""  # "" = <run dir>/adapters
+    keep_last: int = 2  # versions kept beyond those engines may still use; 0 = none
+
+    def __post_init__(self) -> None:
+        _check(self.keep_last >= 0, "store.keep_last", ">= 0", self.keep_last)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """Console and file logging."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"  # console level; files get everything
+    progress: bool = True  # progress bar on the console (only when it is a terminal)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run."""
+
+    seed: int = 0
+    out: str = ""  # run directory; "" = runs/<timestamp>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        bad = self.sampling.off_policy_settings()
+        if self.loss.correction != "none" and bad:
+            raise ConfigError(
+                f"sampling settings {', '.join(bad)} break the on-policy sampling contract that "
+                f"loss.correction = {self.loss.correction!r} relies on (the stored log-probs would not be "
+                "the policy's own); use temperature = 1, top_p = 1, top_k = 0, min_p = 0 and no penalties, "
+                'or set loss.correction = "none"'
+            )
+        if self.engine.kind == "transformers" and (
+            self.sampling.repetition_penalty != 1.0
+            or self.sampling.presence_penalty != 0.0
+            or self.sampling.frequency_penalty != 0.0
+        ):
+            raise ConfigError("sampling penalties are not supported by engine.kind = \"transformers\"; "
+                              "use engine.kind = \"vllm\" or leave them off")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) is type(typing.get_args(tp)[0]):
+            return value
+    elif origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError:
+                pass
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            elem = typing.get_args(tp)[0]
+            return tuple(_coerce(elem, v, f"{key}[{i}]") for i, v in enumerate(value))
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _build(tp, value, key)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isfinite(value):
+                return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for k, v in data.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in hints:
+            raise ConfigError(f"unknown key {key!r}; allowed here: {', '.join(names)}")
+        kwargs[k] = _coerce(hints[k], v, key)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a constructor refusing arguments is a config error, said plainly
+        raise ConfigError(f"{prefix or 'config'}: {e}") from None
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build a validated RunConfig from nested dicts (as TOML parses)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"a config must be a table of sections, got {type(data).__name__}")
+    return _build(RunConfig, data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse `section.key=VALUE` (VALUE in TOML syntax; a bare word is a string)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: {key!r} is not a dotted key like trainer.lr")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> RunConfig:
+    """Read a TOML file (or nothing: all defaults), apply `section.key=value` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
+    for key, value in items:
+        parts = key.split(".") if isinstance(key, str) else key
+        node = data
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {'.'.join(parts)}: {part!r} is a value, not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return config_from_dict(data)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def dump_toml(cfg: Any) -> str:
+    """Write a config dataclass as TOML (scalars first, then one table per nested dataclass)."""
+    lines: list[str] = []
+
+    def emit(obj: Any, prefix: str) -> None:
+        scalars, tables = [], []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            (tables if dataclasses.is_dataclass(v) else scalars).append((f.name, v))
+        if prefix and scalars:
+            lines.append(f"\n[{prefix}]")
+        for name, v in scalars:
+            if v is not None:
+                lines.append(f"{name} = {_toml_value(v)}")
+        for name, v in tables:
+            emit(v, f"{prefix}.{name}" if prefix else name)
+
+    emit(cfg, "")
+    return "\n".join(lines).lstrip("\n") + "\n"

@@ -1,0 +1,52 @@
+"""The Engine protocol: how the orchestrator asks for a group of completions.
+
+Invariants every engine keeps:
+- `generate(request, adapter)` returns exactly `request.n` completions sampled with the weights
+  of `adapter.version`, each with its token ids and the log-probability of every sampled token
+  under the distribution it was sampled from; `Generation.version == adapter.version`.
+- A group that started on version k finishes on k, even if newer versions are loaded meanwhile.
+- Cancelling `generate` aborts the request: the engine stops spending work on it.
+- `load_adapter` makes a version ready so that no request pays for loading it;
+  `unload_adapter` frees it. Engines keep a bounded number of versions loaded.
+- Adapters are identified by `AdapterRef.name` (unique, content-hashed), never by the version
+  number alone: one engine may serve several runs in turn (a benchmark sweep), and version 3
+  of one run is not version 3 of another.
+- `start()` is idempotent: a Pipeline calls it on every engine, including engines the caller
+  built and started already (those it does not close either: the caller owns them).
+- Engines never call back into the orchestrator.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from pipeline.metrics import BusyMeter
+from pipeline.types import AdapterRef, Generation, GroupRequest
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine that samples whole groups."""
+
+    name: str
+    busy: BusyMeter  # entered while at least one request runs: the engine's busy time
+
+    async def start(self) -> None:
+        """Load the model. Called once, inside the running event loop, before any other call."""
+        ...
+
+    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
+        """Sample `request.n` completions of `request.prompt` with `adapter`'s weights."""
+        ...
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        """Load a published version (its directory on the shared filesystem) ahead of use."""
+        ...
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        """Free an adapter no request will use again (deferred while requests use it). Unknown ones are ignored."""
+        ...
+
+    async def close(self) -> None:
+        """Abort what is running and free the engine's resources. Safe to call twice."""
+        ...

@@ -1,0 +1,131 @@
+"""Measurements: busy time of a stage, event-loop lag, and per-step metrics as JSON lines.
+
+Metric keys are `area/name` (`rollout/staleness_max`, `train/ratio_mean`, `engine/tokens_per_s`),
+reduced once per step. Metrics are not logs: they go to `metrics.jsonl`, one object per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+
+class BusyMeter:
+    """Time during which a stage had at least one unit of work running.
+
+    `enter()`/`exit()` bracket each unit (they may overlap); the meter records the union of
+    the intervals, so four concurrent groups over one second count as one busy second.
+    """
+
+    def __init__(self, keep_intervals: int = 100_000) -> None:
+        self._active = 0
+        self._since = 0.0
+        self.busy_s = 0.0
+        self.intervals: deque[tuple[float, float]] = deque(maxlen=keep_intervals)
+
+    def enter(self) -> None:
+        if self._active == 0:
+            self._since = time.monotonic()
+        self._active += 1
+
+    def exit(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            now = time.monotonic()
+            self.busy_s += now - self._since
+            self.intervals.append((self._since, now))
+
+    def busy_total(self) -> float:
+        """Busy seconds so far, counting an interval still open."""
+        extra = time.monotonic() - self._since if self._active else 0.0
+        return self.busy_s + extra
+
+    def __enter__(self) -> BusyMeter:
+        self.enter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.exit()
+
+
+class LoopLagMonitor:
+    """Event-loop lag: how late a timer set for `interval_s` actually fires."""
+
+    def __init__(self, interval_s: float = 0.01, keep: int = 100_000) -> None:
+        self.interval_s = interval_s
+        self.lags: deque[float] = deque(maxlen=keep)
+        self._task: asyncio.Task[None] | None = None
+
+    async def _monitor_loop(self) -> None:
+        """Consumes nothing, produces lag samples; waits on its own timer."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(self.interval_s)
+            self.lags.append(max(0.0, loop.time() - t - self.interval_s))
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._monitor_loop(), name="loop-lag-monitor")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def percentile_ms(self, q: float) -> float:
+        if not self.lags:
+            return 0.0
+        return float(np.percentile(np.fromiter(self.lags, dtype=np.float64), q) * 1000.0)
+
+
+def summarize(values: Iterable[float], prefix: str) -> dict[str, float]:
+    """mean / max / min of a list of numbers under `prefix_mean` etc. (empty -> nothing)."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    if arr.size == 0:
+        return {}
+    return {f"{prefix}_mean": float(arr.mean()), f"{prefix}_max": float(arr.max()), f"{prefix}_min": float(arr.min())}
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (np.floating, float)):
+        f = float(v)
+        return f if math.isfinite(f) else None
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `metrics.jsonl` (flushed every line)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        self._f.write(json.dumps(_jsonable(row)) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,156 @@
+"""The data that flows through the pipeline: prompts, group requests, rollout groups, batches.
+
+Invariants:
+- The group is the unit of work: one prompt, n completions, one engine call, one version.
+- `Generation.version` is the adapter version the engine actually sampled with (0 = base model).
+- For every completion, `len(token_ids) == len(logprobs)`; `logprobs[t]` is the log-probability
+  of `token_ids[t]` under the distribution the engine sampled it from.
+- These objects are immutable by convention: arrays are never written after construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt of a data source."""
+
+    id: str  # unique within the data source; the ledger key across resumes
+    text: str
+    token_ids: tuple[int, ...]
+    meta: Mapping[str, Any] = field(default_factory=dict)  # extra columns, passed to rewards as kwargs
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRef:
+    """A published policy version as an engine loads it."""
+
+    version: int  # 0 is the base model (no adapter)
+    name: str  # unique, never reused: "v000007-1a2b3c4d"; "base" for version 0
+    path: str | None  # directory with adapter_config.json + adapter_model.safetensors; None for base
+    sha256: str = ""  # content hash over the adapter files ("" for base)
+
+    @staticmethod
+    def base() -> AdapterRef:
+        return AdapterRef(version=0, name="base", path=None)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRequest:
+    """Ask an engine for n completions of one prompt (the adapter is passed beside it)."""
+
+    group_id: int  # unique within a run, assigned at admission
+    prompt: Prompt
+    n: int
+    max_new_tokens: int
+    seed: int | None = None  # per-request seed; None uses the engine's own seeded generator
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One sampled continuation."""
+
+    token_ids: np.ndarray  # [T] int64
+    logprobs: np.ndarray  # [T] float32, sampling log-prob of each token
+    finish_reason: str  # "stop" (end-of-sequence token) or "length" (max_new_tokens reached)
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"completion has {len(self.token_ids)} token ids but {len(self.logprobs)} log-probs"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """What an engine returns for one GroupRequest."""
+
+    request: GroupRequest
+    completions: tuple[Completion, ...]  # exactly request.n
+    version: int  # adapter version actually used; must equal the version asked for
+    engine: str  # which engine produced it
+    t_start: float  # time.monotonic() when the engine started the request
+    t_end: float
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutGroup:
+    """A scored generation, ready for the buffer."""
+
+    generation: Generation
+    rewards: np.ndarray  # [n] float64, finite
+    t_scored: float
+
+    @property
+    def group_id(self) -> int:
+        return self.generation.request.group_id
+
+    @property
+    def prompt(self) -> Prompt:
+        return self.generation.request.prompt
+
+    @property
+    def version(self) -> int:
+        return self.generation.version
+
+    @property
+    def completions(self) -> tuple[Completion, ...]:
+        return self.generation.completions
+
+    @property
+    def num_tokens(self) -> int:
+        return self.generation.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GroupOutcome:
+    """What became of one admitted group when it left the system (one RolloutLog entry)."""
+
+    group_id: int
+    prompt: Prompt
+    version: int  # version it was (or was to be) sampled with
+    fate: str  # "trained", "dropped" or "failed"
+    reason: str  # "" when trained; otherwise why it was dropped or failed
+    step: int  # training step that consumed it; -1 when none did
+    generation: Generation | None  # None when generation itself failed
+    rewards: np.ndarray | None  # [n] float64; None when scoring failed or never ran
+    t_admitted: float  # time.monotonic() at admission
+    t_done: float  # time.monotonic() when it left the system
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """B groups consumed by one training step."""
+
+    step: int  # 1-based index of the step that trains this batch
+    version: int  # trainer's policy version when the step starts (= step - 1)
+    groups: tuple[RolloutGroup, ...]
+
+    @property
+    def staleness(self) -> list[int]:
+        return [self.version - g.version for g in self.groups]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(g.num_tokens for g in self.groups)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStats:
+    """What one trainer step reports (scalar floats, keyed like `train/ratio_mean`)."""
+
+    step: int
+    version: int  # version published by this step
+    metrics: Mapping[str, float]
+    t_start: float
+    t_end: float
