@@ -1,0 +1,322 @@
+"""Offline model building and token log-probabilities.
+
+Nothing here downloads anything: the built-in models are random-weight `Qwen2ForCausalLM`s of
+a named shape with a character-level tokenizer, built once into a cache directory. The same
+log-probability code serves the trainer (with gradients) and the engine checks (without).
+
+Invariants:
+- `build_model(shape, cache_dir)` returns a complete directory or raises: it is built in a
+  temporary directory beside the target and renamed into place, so a reader never sees a
+  half-written model, and of two concurrent builders one wins and the other's copy is discarded.
+- The tokenizer round-trips printable ASCII exactly (`decode(encode(s)) == s`), adds no BOS, and
+  decodes every id the model can sample (its vocabulary is padded to the model's).
+- `token_logprobs(...)[:, t]` is `log p(input_ids[:, t] | input_ids[:, :t])` in float32 for
+  t >= 1 on non-padding positions, and 0 at t = 0 and on padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import string
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import structlog
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+from pipeline.errors import ConfigError
+
+log = structlog.get_logger(__name__)
+
+# Bump when what build_model writes changes, so stale caches are rebuilt rather than reused.
+FORMAT_VERSION = 2  # 2: wider embedding init (learnable from random weights)
+
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
+# Printable ASCII without vertical tab and form feed (they are whitespace no text here needs).
+CHARACTERS = tuple(c for c in string.printable if c not in "\x0b\x0c")
+
+_LOAD_LOCK = threading.RLock()
+
+
+def building_modules() -> threading.RLock:
+    """Hold this while constructing modules (from_pretrained, get_peft_model) in a worker thread.
+
+    transformers builds models under a process-wide default-device switch ("meta"), so a module
+    constructed in one thread while another thread loads a model can land on the meta device.
+    """
+    return _LOAD_LOCK
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The Qwen2Config fields that differ between the built-in models."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    dtype: str  # weights as saved
+    vocab_size: int = 0  # 0 = the char tokenizer's size rounded up to a multiple of 64
+    tie_word_embeddings: bool = True
+    rms_norm_eps: float = 1e-6
+    # Embedding (= output, tied) init std. RMSNorm fixes the final hidden state's norm near
+    # sqrt(hidden), so with the usual 0.02 the logits of a random model span about +-1 and no
+    # LoRA update can make any token likely: the policy cannot learn. 0.08 gives logits with a
+    # std near 1, like a trained LM's spread, while the random policy stays high-entropy.
+    embed_std: float = 0.08
+
+
+SHAPES: dict[str, Shape] = {
+    # CPU default: a few hundred thousand parameters, so `python run.py` is fast on two cores.
+    "tiny": Shape(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=192, max_position_embeddings=512, rope_theta=10000.0, dtype="float32"),
+    # head_dim 64, which flash attention kernels support.
+    "small": Shape(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=704, max_position_embeddings=2048, rope_theta=10000.0, dtype="float32"),
+    # Qwen2.5-0.5B's shape, with random weights.
+    "qwen2.5-0.5b": Shape(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                          intermediate_size=4864, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                          dtype="bfloat16", vocab_size=151936),
+}
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """A character-level `PreTrainedTokenizerFast`: one token per printable ASCII character.
+
+    Ids 0..97 are the characters, then `<|endoftext|>` (eos and pad), `<|im_start|>`,
+    `<|im_end|>`; with `vocab_size`, `<|extra_N|>` special tokens pad it to exactly that many
+    entries. Characters outside printable ASCII cannot be encoded (the tokenizer raises).
+    """
+    base = len(CHARACTERS) + len(SPECIAL_TOKENS)
+    if vocab_size is not None and vocab_size < base:
+        raise ConfigError(f"tokenizer vocab_size must be >= {base} (characters + special tokens), got {vocab_size}")
+    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARACTERS)}, unk_token=None))
+    # Every character is its own pre-token ([\s\S] also matches newlines); Fuse joins on decode.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    extra = [f"<|extra_{i}|>" for i in range((vocab_size or base) - base)]
+    tok.add_special_tokens(list(SPECIAL_TOKENS) + extra)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        clean_up_tokenization_spaces=False,  # " ." must stay " ." for an exact round trip
+    )
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a model directory (offline)."""
+    _check_model_dir(path)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _model_vocab_size(shape: Shape) -> int:
+    if shape.vocab_size:
+        return shape.vocab_size
+    base = len(CHARACTERS) + len(SPECIAL_TOKENS)
+    return (base + 63) // 64 * 64
+
+
+def build_model(shape: str, cache_dir: str | Path, seed: int = 0) -> Path:
+    """Build (once) a random-weight Qwen2 model of `shape` with its tokenizer; return its directory.
+
+    The directory is `cache_dir/<shape>-v<FORMAT_VERSION>` for seed 0, and
+    `cache_dir/<shape>-seed<seed>-v<FORMAT_VERSION>` otherwise (a different seed is a different model).
+    """
+    if shape not in SHAPES:
+        raise ConfigError(f"model.shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    cache_dir = Path(cache_dir)
+    name = f"{shape}-v{FORMAT_VERSION}" if seed == 0 else f"{shape}-seed{seed}-v{FORMAT_VERSION}"
+    target = cache_dir / name
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=cache_dir))
+    try:
+        _write_model(SHAPES[shape], tmp, seed)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another builder renamed its copy into place first; theirs is as good as ours.
+            if not (target / "config.json").is_file():
+                raise
+            log.info("model_build_lost_race", shape=shape, path=str(target))
+        else:
+            log.info("model_built", shape=shape, path=str(target), seed=seed)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_model(shape: Shape, out: Path, seed: int) -> None:
+    vocab = _model_vocab_size(shape)
+    tokenizer = build_tokenizer(vocab)
+    tokenizer.model_max_length = shape.max_position_embeddings
+    eos = tokenizer.eos_token_id
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rms_norm_eps=shape.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        hidden_act="silu",
+        use_sliding_window=False,
+        initializer_range=0.02,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Initialise from our own seed without disturbing the caller's global RNG state.
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(config)
+        with torch.no_grad():
+            model.model.embed_tokens.weight.normal_(0.0, shape.embed_std)
+    model = model.to(DTYPES[shape.dtype])
+    model.config.dtype = shape.dtype
+    # Only ids: sampling defaults here would silently become vLLM's defaults ("auto" generation config).
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    with _quiet_progress():
+        model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _quiet_progress() -> Iterator[None]:
+    """No transformers progress bars for loading and saving: a tiny model is done before one draws."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _check_model_dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"model directory {str(p)!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"model directory {str(p)!r} has no config.json")
+    return p
+
+
+def load_causal_lm(path: str | Path, device: str, dtype: str, trust_remote_code: bool = False) -> PreTrainedModel:
+    """A causal LM from a local directory, on `device` in `dtype`, in eval mode."""
+    p = _check_model_dir(path)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    # from_pretrained builds on the "meta" device through a process-wide default-device switch,
+    # so two threads loading at once (engine and trainer start together) corrupt each other.
+    with _LOAD_LOCK, _quiet_progress():
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+# --------------------------------------------------------------------------- log-probabilities
+
+
+def pack_sequences(
+    prompts: list[Sequence[int]], completions: list[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenate each prompt with its completion, right-padded.
+
+    Returns input_ids: [N, L] long, attention_mask: [N, L] long (1 on real tokens) and
+    completion_mask: [N, L] bool (True on completion tokens).
+    """
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: its first completion token would have no context")
+    n = len(prompts)
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    width = max(lengths, default=0)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    completion_mask = torch.zeros((n, width), dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        seq = list(p) + list(c)
+        input_ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        attention_mask[i, : len(seq)] = 1
+        completion_mask[i, len(p) : len(seq)] = True
+    return input_ids, attention_mask, completion_mask
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Log-probability of every token given the ones before it: [N, L] float32, differentiable.
+
+    input_ids: [N, L], attention_mask: [N, L] (right padding). out[:, 0] = 0 and padding gets 0.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [N, L-1, V]
+    logits = logits.float()
+    targets = input_ids[:, 1:].unsqueeze(-1)  # [N, L-1, 1]
+    # gather - logsumexp: the log-softmax of only the tokens we need, never a second [N, L, V] tensor
+    picked = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [N, L-1]
+    picked = torch.where(attention_mask[:, 1:].bool(), picked, torch.zeros_like(picked))
+    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    prompts: list[Sequence[int]],
+    completions: list[Sequence[int]],
+    device: str | torch.device,
+    batch_size: int = 32,
+) -> list[np.ndarray]:
+    """Per completion, the float32 log-probs of its tokens under `model` (no gradients)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    out: list[np.ndarray] = []
+    with torch.no_grad():
+        for start in range(0, len(prompts), batch_size):
+            ps = prompts[start : start + batch_size]
+            cs = completions[start : start + batch_size]
+            ids, mask, _ = pack_sequences(ps, cs, pad_id=0)  # padding is masked: any id serves
+            lp = token_logprobs(model, ids.to(device), mask.to(device)).cpu().numpy()
+            for i, (p, c) in enumerate(zip(ps, cs)):
+                out.append(lp[i, len(p) : len(p) + len(c)].astype(np.float32))
+    return out
+

@@ -1,0 +1,179 @@
+"""Tests for pipeline.models: offline tokenizer and models, token log-probabilities."""
+
+from __future__ import annotations
+
+import os
+import string
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline import models
+from pipeline.errors import ConfigError
+
+TEXTS = [
+    "hello world",
+    "a . b , c ! ? don't  two  spaces",
+    "line one\nline two\n\n\tindented\r\n",
+    " leading and trailing ",
+    "".join(models.CHARACTERS),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return models.build_model("tiny", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir: Path) -> torch.nn.Module:
+    return models.load_causal_lm(tiny_dir, "cpu", "float32")
+
+
+def test_tokenizer_round_trips_printable_text_one_token_per_character() -> None:
+    tok = models.build_tokenizer()
+    assert len(models.CHARACTERS) == len(string.printable) - 2
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert len(ids) == len(text)  # one token per character and no BOS
+        assert ids[0] == models.CHARACTERS.index(text[0])
+        assert tok.decode(ids) == text
+    assert tok.eos_token == tok.pad_token == "<|endoftext|>"
+    assert tok.eos_token_id == len(models.CHARACTERS)
+    assert tok.bos_token_id is None
+
+
+def test_tokenizer_pads_to_vocab_size_and_every_id_decodes() -> None:
+    tok = models.build_tokenizer(vocab_size=128)
+    assert len(tok) == 128
+    assert tok.decode([127]) == "<|extra_26|>"
+    assert tok.decode(list(range(128)), skip_special_tokens=True) == "".join(models.CHARACTERS)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        models.build_tokenizer(vocab_size=50)
+
+
+def test_autotokenizer_loads_the_saved_tokenizer_offline(tmp_path: Path) -> None:
+    models.build_tokenizer().save_pretrained(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    for text in TEXTS:
+        assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.eos_token_id == tok.pad_token_id == len(models.CHARACTERS)
+
+
+def test_build_model_tiny_builds_once_and_loads(tmp_path: Path) -> None:
+    path = models.build_model("tiny", tmp_path)
+    assert path == tmp_path / f"tiny-v{models.FORMAT_VERSION}"
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert (path / f).is_file(), f
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    t0 = time.monotonic()
+    assert models.build_model("tiny", tmp_path) == path
+    assert time.monotonic() - t0 < 0.5
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp dirs left
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
+    assert cfg.intermediate_size == 192 and cfg.max_position_embeddings == 512
+    assert cfg.vocab_size == 128 and cfg.vocab_size % 64 == 0
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    assert model.dtype == torch.float32
+    tok = models.load_tokenizer(path)
+    assert len(tok) == cfg.vocab_size  # every id the model can sample decodes
+    assert cfg.eos_token_id == tok.eos_token_id
+
+
+def test_build_model_is_deterministic_per_seed(tmp_path: Path, tiny_model: torch.nn.Module) -> None:
+    again = models.load_causal_lm(models.build_model("tiny", tmp_path / "a"), "cpu", "float32")
+    other_dir = models.build_model("tiny", tmp_path / "a", seed=1)
+    assert other_dir.name == f"tiny-seed1-v{models.FORMAT_VERSION}"
+    other = models.load_causal_lm(other_dir, "cpu", "float32")
+    w0 = tiny_model.model.embed_tokens.weight
+    assert torch.equal(again.model.embed_tokens.weight, w0)
+    assert not torch.equal(other.model.embed_tokens.weight, w0)
+
+
+def test_concurrent_builders_leave_one_complete_model(tmp_path: Path) -> None:
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(models.build_model("tiny", tmp_path))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and len(set(results)) == 1
+    assert os.listdir(tmp_path) == [results[0].name]
+    models.load_causal_lm(results[0], "cpu", "float32")
+
+
+def test_build_model_refuses_unknown_shape(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="huge"):
+        models.build_model("huge", tmp_path)
+
+
+def test_load_causal_lm_names_a_bad_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=str(missing)):
+        models.load_causal_lm(missing, "cpu", "float32")
+    with pytest.raises(ConfigError, match="config.json"):
+        models.load_causal_lm(tmp_path, "cpu", "float32")
+    with pytest.raises(ConfigError, match=str(tmp_path)):
+        models.load_tokenizer(tmp_path)
+
+
+def test_pack_sequences_right_pads_and_marks_completions() -> None:
+    ids, mask, comp = models.pack_sequences([[1, 2, 3], [4]], [[5, 6], [7, 8, 9, 10]], pad_id=0)
+    assert ids.shape == mask.shape == comp.shape == (2, 5)
+    assert ids.dtype == mask.dtype == torch.long and comp.dtype == torch.bool
+    assert ids.tolist() == [[1, 2, 3, 5, 6], [4, 7, 8, 9, 10]]
+    ids, mask, comp = models.pack_sequences([[1, 2, 3], [4]], [[5], [7, 8]], pad_id=99)
+    assert ids.tolist() == [[1, 2, 3, 5], [4, 7, 8, 99]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 0]]
+    assert comp.tolist() == [[False, False, False, True], [False, True, True, False]]
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        models.pack_sequences([[]], [[1]], pad_id=0)
+
+
+def _manual_logprobs(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq])).logits[0].double()
+    lp = logits.log_softmax(-1)
+    return torch.tensor([0.0] + [float(lp[t - 1, seq[t]]) for t in range(1, len(seq))])
+
+
+def test_token_logprobs_match_per_sequence_computation_and_are_differentiable(tiny_model: torch.nn.Module) -> None:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 98, size=k).tolist() for k in (3, 7, 1)]
+    completions = [rng.integers(0, 128, size=k).tolist() for k in (6, 2, 9)]
+    ids, mask, comp = models.pack_sequences(prompts, completions, pad_id=98)
+    out = models.token_logprobs(tiny_model, ids, mask)
+    assert out.shape == ids.shape and out.dtype == torch.float32
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        want = _manual_logprobs(tiny_model, p + c)
+        n = len(p) + len(c)
+        assert torch.allclose(out[i, :n].double(), want.double(), atol=1e-5), i
+        assert torch.all(out[i, n:] == 0)  # padding
+    assert torch.all(out[:, 0] == 0)
+    assert torch.all(out[mask.bool()][1:] <= 0)
+
+    tiny_model.zero_grad()
+    (out * comp).sum().backward()
+    grad = tiny_model.model.embed_tokens.weight.grad
+    assert grad is not None and grad.abs().sum() > 0
+    tiny_model.zero_grad()
+
+
+def test_completion_logprobs_returns_each_completions_tokens(tiny_model: torch.nn.Module) -> None:
+    prompts = [[10, 11, 12], [20], [30, 31]]
+    completions = [[1, 2, 3, 4], [5], []]
+    got = models.completion_logprobs(tiny_model, prompts, completions, "cpu", batch_size=2)
+    assert [len(g) for g in got] == [4, 1, 0]
+    assert all(g.dtype == np.float32 for g in got)
+    for p, c, g in zip(prompts, completions, got):
+        want = _manual_logprobs(tiny_model, p + c)[len(p):].numpy()
+        np.testing.assert_allclose(g, want, atol=1e-5)
