@@ -1,0 +1,683 @@
+"""The vLLM engine: one AsyncLLM in this process, awaited directly.
+
+vLLM is imported only by `start()`, so `import pipeline.engines.vllm` works where vLLM is not
+installed (the CPU suite); `start()` there raises EngineDeadError with the install hint.
+
+Invariants (beyond the Engine protocol's):
+- One group is one vLLM request: `SamplingParams(n=G, output_kind=FINAL_ONLY, logprobs=0)`. The
+  scheduler shares the prompt's KV cache across the group; the caller awaits one final output.
+- `logprobs[t]` is the log-prob vLLM reports for the sampled token at position t (`logprobs=0`
+  returns exactly that entry). Under the on-policy settings that is the log-softmax of the raw
+  logits; with any other setting the engine starts with `logprobs_mode="processed_logprobs"`, so
+  they are taken after temperature, penalties and truncation: the distribution actually sampled.
+- Every adapter is its own LoRARequest: lora_name = AdapterRef.name, an int id from a per-engine
+  counter that is never reused, the directory as published. Never `load_inplace=True` (with
+  vLLM 0.24.0 it generated with weights matching neither version; /work/shared/gpu/README.md).
+- An adapter with requests in flight is never removed, so a group that started on version k
+  ends on k. Loading version v removes the idle adapters older than v - max_staleness and then
+  the oldest idle ones beyond max_staleness + 1 loaded; busy ones go when their last request ends.
+- `max_loras` (adapters resident on the GPU at once) >= max_staleness + 1, so every version a
+  running group may still use fits into one scheduler step next to the others.
+- The version is checked, not assumed: `RequestOutput.lora_request` must be the LoRARequest sent.
+- Cancelling `generate` aborts the vLLM request: `AsyncLLM.generate` aborts on CancelledError
+  once its request is queued; this engine aborts again by request id, which also covers a cancel
+  that lands while vLLM is still adding the n child requests (before `generate` can abort them).
+
+Placement. vLLM's engine core runs in a child process (`CoreEngineProcManager` starts
+`EngineCoreProc.run_engine_core` through multiprocessing; with one GPU the uniprocess executor
+runs the model in that child, on local rank 0 = the first GPU it can see). A child's visible GPUs
+are fixed by the environment it starts with, so `start()` sets CUDA_VISIBLE_DEVICES to the one
+physical GPU that `device` names (mapped through any CUDA_VISIBLE_DEVICES already set) only while
+the AsyncLLM is constructed -- the constructor starts the child and blocks until it reports
+ready -- and restores it right after. Later calls go to the child over ZMQ and the child keeps its
+own copy of the environment, so nothing reads the narrowed value again. This process's own CUDA
+(a trainer on another GPU) is unaffected once initialised; vLLM's front end does not initialise it
+(it queries GPUs through NVML), and `start()` warns if that ever changes.
+Two engines on one GPU work when started one after the other, each with its own
+`gpu_memory_utilization` (<= 0.45 each). Both, and an engine placed on the second GPU of two,
+are checked on H200s by tests/test_vllm_gpu.py.
+
+Start-up blocks the event loop for the whole vLLM start (the AsyncLLM constructor waits for the
+engine core synchronously: 20-45 s for the built-in "small" model in eager mode on an H200, more
+with torch.compile and CUDA graphs); call it before the run's loops start. The engine must then
+be used from the event loop that started it (its output task lives there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import structlog
+
+from pipeline.config import SamplingConfig, VLLMEngineConfig
+from pipeline.errors import (
+    AdapterCorruptError,
+    AdapterError,
+    AdapterNotFoundError,
+    ConfigError,
+    EngineDeadError,
+    GenerationError,
+    PipelineError,
+    PromptError,
+)
+from pipeline.metrics import BusyMeter
+from pipeline.types import AdapterRef, Completion, Generation, GroupRequest, Prompt
+
+log = structlog.get_logger(__name__)
+
+INSTALL_HINT = "pip install 'pipeline[vllm]'"
+
+# Set (unless already set) before vLLM is imported; every one is read by vLLM or its children.
+ENV_DEFAULTS = {
+    # flashinfer is not shipped on our GPU host; without this vLLM's sampler tries to import it.
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "HF_HUB_OFFLINE": "1",  # models and adapters are local directories; never reach for the hub
+    # fork is unsafe once this process has touched the CUDA driver (torch.cuda.is_available() does,
+    # without torch noticing); vLLM forces spawn anyway whenever torch has initialised CUDA.
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+}
+
+_FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM's finish_reason -> ours; others kept as is
+_FAILED_REASONS = ("abort", "error")  # a completion that ended like this is no sample of the policy
+
+
+@dataclass
+class VLLMEngineStats:
+    """Counters since start (all written on the event loop)."""
+
+    requests: int = 0  # generate calls accepted
+    cancelled: int = 0  # generate calls cancelled by their caller (their vLLM request aborted)
+    failed: int = 0  # generate calls that raised
+    tokens: int = 0  # completion tokens returned
+    adapters_loaded: int = 0
+    adapters_unloaded: int = 0
+
+
+@dataclass(eq=False)
+class _Adapter:
+    """One adapter as this engine holds it in vLLM."""
+
+    ref: AdapterRef
+    lora: Any  # vllm.lora.request.LoRARequest
+    order: int  # load order (the lora_int_id): smaller was loaded earlier
+    ready: asyncio.Task[None]  # the add_lora call; done (without error) once vLLM holds it
+    in_flight: int = 0  # generate calls using it (waiting for it or running)
+    unload_requested: bool = False  # remove when in_flight drops to 0
+
+
+def physical_gpu(device: str) -> str:
+    """The CUDA_VISIBLE_DEVICES entry for `device` ("cuda:N"), seen through the current setting."""
+    if not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ConfigError(f'engine.devices: the vLLM engine needs a GPU like "cuda:0", got {device!r}')
+    index = int(device[5:])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(index)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if index >= len(entries):
+        raise ConfigError(f"engine.devices: {device} is not visible: CUDA_VISIBLE_DEVICES={visible!r} "
+                          f"lists {len(entries)} GPU(s)")
+    return entries[index]
+
+
+@contextlib.contextmanager
+def visible_devices(value: str) -> Iterator[None]:
+    """Set CUDA_VISIBLE_DEVICES inside the block; restore the previous value (or its absence) after."""
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+def check_adapter_dir(adapter: AdapterRef, max_lora_rank: int) -> Path:
+    """The adapter's absolute directory, refused (naming the path) unless vLLM could load it."""
+    if adapter.path is None:
+        raise AdapterNotFoundError(f"adapter version {adapter.version} ({adapter.name}) has no path")
+    path = Path(adapter.path).resolve()
+    if not path.is_dir():
+        raise AdapterNotFoundError(f"adapter version {adapter.version}: directory {str(path)!r} does not exist")
+    config_path = path / "adapter_config.json"
+    if not config_path.is_file():
+        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} has no adapter_config.json")
+    if not any(path.glob("*.safetensors")):
+        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} has no safetensors weights")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(config_path)!r} is not readable "
+                                  f"JSON: {e}") from e
+    ranks = [config.get("r", 0), *(config.get("rank_pattern") or {}).values()]
+    rank = max(int(r) for r in ranks)
+    if rank > max_lora_rank:
+        raise AdapterError(f"adapter version {adapter.version} at {str(path)!r} has LoRA rank {rank} but "
+                           f"engine.vllm.max_lora_rank = {max_lora_rank}; raise engine.vllm.max_lora_rank")
+    return path
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
+    """Log-prob of the sampled token at each position: [T] float32.
+
+    `logprobs` is vLLM's per-position container for one completion: a FlatLogprobs
+    (flat_logprobs=True) or a list of {token_id: Logprob} dicts. With logprobs=0 each position
+    holds the sampled token's entry (first, by vLLM's sampler; looked up by id to be safe).
+    """
+    T = len(token_ids)
+    if logprobs is None:
+        raise GenerationError("vLLM returned no log-probs (the request did not ask for logprobs=0)")
+    if len(logprobs) != T:
+        raise GenerationError(f"vLLM returned {len(logprobs)} log-prob positions for {T} tokens")
+    out = np.empty(T, dtype=np.float32)
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: read its flat lists, no per-position dicts
+        ids, values = logprobs.token_ids, logprobs.logprobs
+        for t, tok in enumerate(token_ids):
+            start, end = logprobs.start_indices[t], logprobs.end_indices[t]
+            j = start if start < end and ids[start] == tok else next(
+                (k for k in range(start, end) if ids[k] == tok), -1)
+            if j < 0:
+                raise GenerationError(f"vLLM's log-probs at position {t} do not include the sampled token {tok}")
+            out[t] = values[j]
+        return out
+    for t, (tok, entries) in enumerate(zip(token_ids, logprobs)):
+        entry = entries.get(tok) if entries else None
+        if entry is None:
+            raise GenerationError(f"vLLM's log-probs at position {t} do not include the sampled token {tok}")
+        out[t] = entry.logprob
+    return out
+
+
+class VLLMEngine:
+    """Samples whole groups with one vLLM AsyncLLM on one GPU, adapters as LoRARequests."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        sampling: SamplingConfig,
+        cfg: VLLMEngineConfig,
+        device: str = "cuda:0",
+        max_staleness: int = 1,
+        name: str = "vllm-0",
+        seed: int | None = None,
+    ) -> None:
+        if max_staleness < 0:
+            raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
+        self.max_loras = cfg.max_loras or max_staleness + 2
+        if self.max_loras < max_staleness + 1:
+            raise ConfigError(f"engine.vllm.max_loras must be 0 (auto) or >= max_staleness + 1 = {max_staleness + 1} "
+                              f"(every version a running group may use must fit on the GPU at once), "
+                              f"got {cfg.max_loras}")
+        physical_gpu(device)  # refuse a bad device now, not at start
+        self.name = name
+        self.model_path = Path(model_path)
+        self.sampling = sampling
+        self.cfg = cfg
+        self.device = device
+        self.max_staleness = max_staleness
+        self.seed = cfg.seed if seed is None else seed  # the engine's own seed (requests without a seed)
+        # CPU-side cache of loaded adapters; 2 spare so that loading one before removing the oldest
+        # never makes vLLM evict (and later reload from disk) an adapter a request still needs.
+        self.max_cpu_loras = self.max_loras + 2
+        self.stats = VLLMEngineStats()
+        self.busy = BusyMeter()
+        self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM once started
+        self._vllm: dict[str, Any] = {}  # the vLLM names used after start, imported by start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._start_lock = asyncio.Lock()
+        self._max_model_len = 0
+        self._vocab_size = 0
+        self._adapters: dict[str, _Adapter] = {}  # AdapterRef.name -> adapter loaded or loading
+        self._next_lora_id = 1  # vLLM lora_int_id: > 0, never reused by this engine
+        self._running: set[str] = set()  # request ids of generate calls inside vLLM now
+        self._background: set[asyncio.Task[Any]] = set()  # adapter removals under way
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def loaded_versions(self) -> tuple[int, ...]:
+        """Versions of the adapters vLLM holds for this engine (base, version 0, not listed)."""
+        return tuple(sorted(a.ref.version for a in self._adapters.values() if _loaded_ok(a)))
+
+    @property
+    def loaded_adapters(self) -> tuple[str, ...]:
+        """Names of the adapters vLLM holds for this engine, oldest first."""
+        return tuple(a.ref.name for a in sorted(self._adapters.values(), key=lambda a: a.order) if _loaded_ok(a))
+
+    @property
+    def unfinished_requests(self) -> int:
+        """Requests vLLM's front end still tracks for this engine (each of the n children counts)."""
+        if self._llm is None:
+            return 0
+        return int(self._llm.output_processor.get_num_unfinished_requests())
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._llm is not None:
+                return
+            self._check_not_closed()
+            self._start_locked()
+
+    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
+        self._check_usable()
+        t_start = time.monotonic()
+        self._check_request(request)
+        self.stats.requests += 1
+        entry: _Adapter | None = None
+        request_id = f"{self.name}-{request.group_id}-{uuid.uuid4().hex}"
+        try:
+            entry = await self._acquire(adapter)
+            self._check_usable()
+            lora = entry.lora if entry is not None else None
+            final = await self._run(request_id, request, lora)
+            generation = self._generation(request, adapter, lora, final, t_start)
+        except asyncio.CancelledError:
+            self.stats.cancelled += 1
+            raise
+        except BaseException:
+            self.stats.failed += 1
+            raise
+        finally:
+            if entry is not None:
+                self._release(entry)
+        self.stats.tokens += generation.num_tokens
+        return generation
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        self._check_usable()
+        if adapter.version == 0:
+            return
+        entry = self._adapters.get(adapter.name) or self._begin_load(adapter)
+        self._check_same(entry, adapter)
+        entry.unload_requested = False
+        await self._wait_ready(entry)
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        entry = self._adapters.get(adapter.name)
+        if self._closed or entry is None or adapter.version == 0:
+            return
+        if entry.in_flight:
+            entry.unload_requested = True
+            return
+        if not entry.ready.done():
+            try:
+                await self._wait_ready(entry)
+            except (AdapterError, EngineDeadError):
+                return  # a failed or abandoned load leaves nothing to remove; its error went to whoever asked
+        if self._adapters.get(adapter.name) is entry and not entry.in_flight:
+            await self._remove(entry)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        tasks = [*self._background, *(a.ready for a in self._adapters.values())]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        if self._running:
+            # Each aborted request gets a final "abort" output, so its generate call returns (and
+            # raises EngineDeadError, the engine being closed) instead of waiting forever.
+            with contextlib.suppress(Exception):  # a dead engine core has nothing left to abort
+                await llm.abort(list(self._running))
+        llm.shutdown()
+        log.info("engine_closed", engine=self.name, **vars(self.stats))
+
+    async def standalone_throughput(self, prompts: list[list[int]], n: int, max_new_tokens: int,
+                                    adapter: AdapterRef | None = None, concurrency: int | None = None) -> dict:
+        """Sample one group per prompt through this engine, all at once (or `concurrency` at a time).
+
+        The engine's standalone limit, measured in the process that runs the pipeline: returns
+        {"groups", "tokens", "seconds", "tokens_per_s"} (load time of `adapter` not included).
+        """
+        adapter = adapter or AdapterRef.base()
+        await self.load_adapter(adapter)
+        slots = asyncio.Semaphore(concurrency) if concurrency else None
+
+        async def one(i: int, ids: list[int]) -> Generation:
+            req = GroupRequest(group_id=-(i + 1), prompt=Prompt(id=f"throughput-{i}", text="", token_ids=tuple(ids)),
+                               n=n, max_new_tokens=max_new_tokens)
+            if slots is None:
+                return await self.generate(req, adapter)
+            async with slots:
+                return await self.generate(req, adapter)
+
+        t0 = time.monotonic()
+        tasks = [asyncio.get_running_loop().create_task(one(i, p), name=f"{self.name}-throughput-{i}")
+                 for i, p in enumerate(prompts)]
+        try:
+            gens = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        seconds = time.monotonic() - t0
+        tokens = sum(g.num_tokens for g in gens)
+        return {"groups": len(gens), "tokens": tokens, "seconds": seconds,
+                "tokens_per_s": tokens / seconds if seconds > 0 else float("nan")}
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start_locked(self) -> None:
+        for key, value in ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        try:
+            import torch
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.inputs import TokensPrompt
+            from vllm.lora.request import LoRARequest
+            from vllm.sampling_params import RequestOutputKind, SamplingParams
+            from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.engine.exceptions import EngineDeadError as VLLMDeadError
+            from vllm.v1.engine.exceptions import EngineGenerateError
+        except ImportError as e:
+            raise EngineDeadError(f"engine {self.name}: vLLM could not be imported ({e!r}); install it with "
+                                  f"{INSTALL_HINT} (vllm==0.24.0, which needs a CUDA GPU)") from e
+        self._vllm = {"TokensPrompt": TokensPrompt, "LoRARequest": LoRARequest, "SamplingParams": SamplingParams,
+                      "FINAL_ONLY": RequestOutputKind.FINAL_ONLY, "DeadError": VLLMDeadError,
+                      "GenerateError": EngineGenerateError}
+        if not self.model_path.is_dir():
+            raise ConfigError(f"model directory {str(self.model_path)!r} does not exist")
+        on_policy = not self.sampling.off_policy_settings()
+        args = AsyncEngineArgs(
+            model=str(self.model_path),
+            dtype=self.cfg.dtype,
+            seed=self.seed,
+            max_model_len=self.cfg.max_model_len,
+            max_num_seqs=self.cfg.max_num_seqs,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            enforce_eager=self.cfg.enforce_eager,
+            enable_lora=True,
+            max_lora_rank=self.cfg.max_lora_rank,
+            max_loras=self.max_loras,
+            max_cpu_loras=self.max_cpu_loras,
+            # raw == processed under the on-policy settings; raw is the path measured on our host.
+            logprobs_mode="raw_logprobs" if on_policy else "processed_logprobs",
+            disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused
+        )
+        gpu = physical_gpu(self.device)
+        cuda_was_initialized = torch.cuda.is_initialized()
+        t0 = time.monotonic()
+        try:
+            with visible_devices(gpu):
+                self._llm = AsyncLLM.from_engine_args(args)
+        except Exception as e:  # any start-up failure means this engine cannot serve; say where and why
+            raise EngineDeadError(f"engine {self.name}: vLLM could not start model {str(self.model_path)!r} on "
+                                  f"{self.device} (physical GPU {gpu}): {type(e).__name__}: {e}") from e
+        if not cuda_was_initialized and torch.cuda.is_initialized():
+            log.warning("cuda_initialized_while_narrowed", engine=self.name, visible=gpu,
+                        note="this process initialised CUDA while CUDA_VISIBLE_DEVICES named only the engine's GPU")
+        self._loop = asyncio.get_running_loop()
+        self._max_model_len = int(self._llm.model_config.max_model_len)
+        self._vocab_size = int(self._llm.model_config.get_vocab_size())
+        log.info("engine_started", engine=self.name, model=str(self.model_path), device=self.device,
+                 physical_gpu=gpu, seconds=round(time.monotonic() - t0, 2), dtype=self.cfg.dtype,
+                 max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, seed=self.seed,
+                 logprobs_mode=args.logprobs_mode, max_model_len=self._max_model_len)
+
+    # ------------------------------------------------------------------ requests
+
+    def _check_not_closed(self) -> None:
+        if self._closed:
+            raise EngineDeadError(f"engine {self.name} is closed")
+
+    def _check_usable(self) -> None:
+        self._check_not_closed()
+        if self._llm is None:
+            raise EngineDeadError(f"engine {self.name} was not started")
+        if asyncio.get_running_loop() is not self._loop:
+            raise EngineDeadError(f"engine {self.name} must be used from the event loop that started it "
+                                  "(vLLM's output task runs there)")
+        if self._llm.errored:
+            raise EngineDeadError(f"engine {self.name}: vLLM's engine core has died")
+
+    def _check_request(self, request: GroupRequest) -> None:
+        if request.n < 1 or request.max_new_tokens < 1:
+            raise ValueError(f"group {request.group_id}: n and max_new_tokens must be >= 1, "
+                             f"got n={request.n}, max_new_tokens={request.max_new_tokens}")
+        ids = request.prompt.token_ids
+        if len(ids) == 0:
+            raise PromptError(f"prompt {request.prompt.id!r} has no tokens")
+        if len(ids) + request.max_new_tokens > self._max_model_len:
+            raise PromptError(f"prompt {request.prompt.id!r}: {len(ids)} tokens + max_new_tokens "
+                              f"{request.max_new_tokens} exceed engine.vllm.max_model_len = {self._max_model_len}")
+        if min(ids) < 0 or max(ids) >= self._vocab_size:
+            raise PromptError(f"prompt {request.prompt.id!r} has token ids outside [0, {self._vocab_size})")
+
+    def _sampling_params(self, request: GroupRequest) -> Any:
+        s = self.sampling
+        return self._vllm["SamplingParams"](
+            n=request.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,  # 0 = off, as in vLLM 0.24 (which also accepts -1)
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            max_tokens=request.max_new_tokens,
+            # None = the engine's own seeded generator; a per-request seed costs vLLM 10-17% throughput
+            # (seeded rows are sampled one by one). vLLM seeds child i of the group with seed + i.
+            seed=request.seed,
+            logprobs=0,  # just the sampled token's log-prob
+            flat_logprobs=True,  # a few flat lists per completion instead of a dict per token
+            detokenize=False,  # token ids are what the pipeline uses; text costs CPU time
+            output_kind=self._vllm["FINAL_ONLY"],
+        )
+
+    async def _run(self, request_id: str, request: GroupRequest, lora: Any) -> Any:
+        """Run one vLLM request to its final RequestOutput; abort it if this call is cancelled."""
+        prompt = self._vllm["TokensPrompt"](prompt_token_ids=list(request.prompt.token_ids))
+        params = self._sampling_params(request)
+        final = None
+        self._running.add(request_id)
+        self.busy.enter()
+        try:
+            async for out in self._llm.generate(prompt, params, request_id, lora_request=lora):
+                final = out
+        except asyncio.CancelledError:
+            # AsyncLLM.generate has aborted its request if it got as far as queueing it; abort by
+            # our id too, for a cancel that came while the n child requests were being added.
+            if self._llm is not None:
+                with contextlib.suppress(Exception):  # the request is abandoned either way
+                    await self._llm.abort(request_id)
+            raise
+        except self._vllm["DeadError"] as e:
+            raise EngineDeadError(f"engine {self.name}: vLLM's engine core died during group "
+                                  f"{request.group_id}: {e}") from e
+        except Exception as e:  # one failed vLLM request (bad input, a request-level error) fails its group only
+            cause = e.__cause__ if isinstance(e, self._vllm["GenerateError"]) and e.__cause__ else e
+            raise GenerationError(f"engine {self.name}: vLLM failed group {request.group_id}: "
+                                  f"{type(cause).__name__}: {cause}") from e
+        finally:
+            self.busy.exit()
+            self._running.discard(request_id)
+        if final is None or not final.finished:
+            if self._closed:
+                raise EngineDeadError(f"engine {self.name} closed during group {request.group_id}")
+            raise GenerationError(f"engine {self.name}: vLLM ended group {request.group_id} without a final output")
+        return final
+
+    def _generation(self, request: GroupRequest, adapter: AdapterRef, lora: Any, final: Any,
+                    t_start: float) -> Generation:
+        got = final.lora_request
+        if (got is None) != (lora is None) or (
+                got is not None and (got.lora_int_id != lora.lora_int_id or got.lora_name != lora.lora_name)):
+            raise GenerationError(
+                f"engine {self.name}: group {request.group_id} asked for version {adapter.version} "
+                f"({_describe(lora)}) but vLLM reports {_describe(got)}")
+        outputs = sorted(final.outputs, key=lambda c: c.index)
+        if len(outputs) != request.n:
+            raise GenerationError(f"engine {self.name}: group {request.group_id} asked for {request.n} "
+                                  f"completions, vLLM returned {len(outputs)}")
+        completions = []
+        for c in outputs:
+            reason = str(c.finish_reason)
+            if reason in _FAILED_REASONS:
+                if self._closed:
+                    raise EngineDeadError(f"engine {self.name} closed during group {request.group_id}")
+                raise GenerationError(f"engine {self.name}: completion {c.index} of group {request.group_id} "
+                                      f"ended with finish_reason {reason!r}")
+            token_ids = np.asarray(list(c.token_ids), dtype=np.int64)
+            if len(token_ids) > request.max_new_tokens:
+                raise GenerationError(f"engine {self.name}: completion {c.index} of group {request.group_id} has "
+                                      f"{len(token_ids)} tokens, more than max_new_tokens {request.max_new_tokens}")
+            completions.append(Completion(token_ids=token_ids, logprobs=sampled_logprobs(c.token_ids, c.logprobs),
+                                          finish_reason=_FINISH_REASONS.get(reason, reason)))
+        return Generation(request=request, completions=tuple(completions), version=adapter.version,
+                          engine=self.name, t_start=t_start, t_end=time.monotonic())
+
+    # ------------------------------------------------------------------ adapters
+
+    async def _acquire(self, adapter: AdapterRef) -> _Adapter | None:
+        """The loaded adapter for `adapter` (loading it if needed), counted as in use; None for base."""
+        if adapter.version == 0:
+            return None
+        entry = self._adapters.get(adapter.name) or self._begin_load(adapter)
+        self._check_same(entry, adapter)
+        entry.in_flight += 1
+        entry.unload_requested = False  # a new request is evidence that it is still needed
+        try:
+            await self._wait_ready(entry)
+        except BaseException:
+            self._release(entry)
+            raise
+        return entry
+
+    def _release(self, entry: _Adapter) -> None:
+        """A request on `entry` ended: remove it if that was asked for and nothing else uses it."""
+        entry.in_flight -= 1
+        if entry.in_flight == 0 and entry.unload_requested and self._adapters.get(entry.ref.name) is entry:
+            self._remove_soon(entry)
+
+    def _check_same(self, entry: _Adapter, adapter: AdapterRef) -> None:
+        if entry.ref.version != adapter.version or entry.ref.path != adapter.path:
+            raise AdapterError(f"adapter name {adapter.name!r} is loaded as version {entry.ref.version} from "
+                               f"{entry.ref.path!r} but was asked for as version {adapter.version} from "
+                               f"{adapter.path!r}; adapter names must be unique")
+
+    def _begin_load(self, adapter: AdapterRef) -> _Adapter:
+        """Start loading `adapter` into vLLM (removing stale idle adapters first); return its entry."""
+        path = check_adapter_dir(adapter, self.cfg.max_lora_rank)
+        self._evict_for(adapter)
+        lora_id = self._next_lora_id
+        self._next_lora_id += 1
+        lora = self._vllm["LoRARequest"](lora_name=adapter.name, lora_int_id=lora_id, lora_path=str(path))
+        task = asyncio.get_running_loop().create_task(self._add_lora(adapter, lora),
+                                                      name=f"{self.name}-load-{adapter.name}")
+        # Retrieve the outcome even when every waiter was cancelled (no "never retrieved" noise).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        entry = _Adapter(ref=adapter, lora=lora, order=lora_id, ready=task)
+        self._adapters[adapter.name] = entry
+        return entry
+
+    async def _add_lora(self, adapter: AdapterRef, lora: Any) -> None:
+        t0 = time.monotonic()
+        try:
+            added = await self._llm.add_lora(lora)
+        except BaseException as e:
+            entry = self._adapters.get(adapter.name)
+            if entry is not None and entry.lora is lora:
+                del self._adapters[adapter.name]
+            if isinstance(e, Exception) and not isinstance(e, PipelineError):
+                # vLLM reports a failed load as a plain Exception carrying the worker's message.
+                raise AdapterError(f"engine {self.name}: vLLM could not load adapter version {adapter.version} "
+                                   f"from {lora.lora_path!r}: {e}") from e
+            raise
+        self.stats.adapters_loaded += 1
+        log.info("adapter_loaded", engine=self.name, version=adapter.version, adapter=adapter.name,
+                 lora_id=lora.lora_int_id, seconds=round(time.monotonic() - t0, 4), added=bool(added))
+        entry = self._adapters.get(adapter.name)
+        if entry is not None and entry.lora is lora and entry.unload_requested and not entry.in_flight:
+            # Found stale by a newer load while it was still loading; nothing asked for it since.
+            asyncio.get_running_loop().call_soon(self._remove_if_idle, entry)
+
+    def _remove_if_idle(self, entry: _Adapter) -> None:
+        if self._adapters.get(entry.ref.name) is entry and entry.unload_requested and not entry.in_flight:
+            self._remove_soon(entry)
+
+    async def _wait_ready(self, entry: _Adapter) -> None:
+        try:
+            await asyncio.shield(entry.ready)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if entry.ready.cancelled() and self._closed and not (current is not None and current.cancelling()):
+                raise EngineDeadError(f"engine {self.name} closed while loading adapter {entry.ref.name}") from None
+            raise
+
+    def _evict_for(self, adapter: AdapterRef) -> None:
+        """Before loading `adapter`: remove stale idle adapters; mark busy stale ones for later."""
+        oldest_useful = adapter.version - self.max_staleness
+        for entry in list(self._adapters.values()):
+            if entry.ref.version < oldest_useful:
+                self._remove_or_defer(entry)
+        keep = self.max_staleness + 1
+        live = sorted((a for a in self._adapters.values() if not a.unload_requested), key=lambda a: a.order)
+        excess = len(live) + 1 - keep
+        for entry in live:
+            if excess <= 0:
+                break
+            if entry.in_flight == 0 and entry.ready.done():
+                self._remove_or_defer(entry)
+                excess -= 1
+        if excess > 0:
+            log.warning("adapter_bound_exceeded", engine=self.name, bound=keep, loading=adapter.name,
+                        loaded=[a.ref.name for a in self._adapters.values()],
+                        in_use=[a.ref.name for a in self._adapters.values() if a.in_flight])
+
+    def _remove_or_defer(self, entry: _Adapter) -> None:
+        if entry.in_flight or not entry.ready.done():
+            entry.unload_requested = True
+        else:
+            self._remove_soon(entry)
+
+    def _remove_soon(self, entry: _Adapter) -> None:
+        """Forget `entry` now and remove it from vLLM in the background (its id is never reused)."""
+        del self._adapters[entry.ref.name]
+        if self._closed or self._llm is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._remove_lora(entry), name=f"{self.name}-unload-{entry.ref.name}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _remove(self, entry: _Adapter) -> None:
+        del self._adapters[entry.ref.name]
+        await self._remove_lora(entry)
+
+    async def _remove_lora(self, entry: _Adapter) -> None:
+        if entry.ready.cancelled() or entry.ready.exception() is not None:
+            return  # never loaded: nothing to remove
+        try:
+            removed = await self._llm.remove_lora(entry.lora.lora_int_id)
+        except Exception as e:  # vLLM's LRU caches drop it eventually; a failed removal must not fail a request
+            log.warning("adapter_unload_failed", engine=self.name, adapter=entry.ref.name, error=repr(e))
+            return
+        self.stats.adapters_unloaded += 1
+        log.info("adapter_unloaded", engine=self.name, version=entry.ref.version, adapter=entry.ref.name,
+                 lora_id=entry.lora.lora_int_id, removed=bool(removed))
+
+
+def _loaded_ok(entry: _Adapter) -> bool:
+    return entry.ready.done() and not entry.ready.cancelled() and entry.ready.exception() is None
+
+
+def _describe(lora: Any) -> str:
+    return "the base model" if lora is None else f"LoRA {lora.lora_name!r} id {lora.lora_int_id}"
