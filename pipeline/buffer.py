@@ -239,8 +239,9 @@ class RolloutBuffer:
 
     def abandon(self, groups: list[RolloutGroup], reason: str) -> None:
         """The step that took these groups will not finish (shutdown): they are dropped."""
-        self.counts.training -= len(groups)
-        self.counts.dropped[reason] += len(groups)
+        if groups:
+            self.counts.training -= len(groups)
+            self.counts.dropped[reason] += len(groups)
 
     async def get_batch(self, trainer_version: int) -> Selection:
         """Wait until a batch can be selected under the staleness rule, then take it.

@@ -178,7 +178,7 @@ class TrainerConfig:
 
     kind: Literal["peft", "simulated"] = "peft"  # simulated: a trainer that only waits (benchmarks)
     device: str = "cpu"  # "cpu" or "cuda:N"
-    lr: float = 3e-3
+    lr: float = 1e-2  # for the CPU demo's tiny random model; real models want ~1e-5 to 1e-4
     weight_decay: float = 0.0
     betas: tuple[float, ...] = (0.9, 0.99)
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
@@ -228,7 +228,7 @@ class LossConfig:
 class PipelineConfig:
     """The orchestration: how many steps, how big a batch, how stale a group may be."""
 
-    steps: int = 150  # training steps (= versions published)
+    steps: int = 300  # training steps (= versions published)
     batch_groups: int = 8  # B: groups per training step
     max_staleness: int = 1  # K: a group sampled at version k trains at version <= k + K; 0 = synchronous
     buffer_capacity: int = 0  # completed groups held at most; 0 = (max_staleness + 1) * batch_groups

@@ -1,0 +1,85 @@
+"""The simulated engine: no model, a set speed, synthetic tokens and log-probabilities.
+
+It keeps the Engine contract (n completions, equal-length token ids and log-probs, the version
+asked for, abort on cancel) so the orchestrator, tests and benchmarks can run without a model.
+Speed: each group takes `latency_s`; at most `concurrency` groups run at once (0 = unlimited),
+so `concurrency / latency_s` groups per second is the generator's standalone rate.
+Tokens are deterministic in (seed, group id, version): a test can tell versions apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from pipeline.config import SimulatedEngineConfig
+from pipeline.errors import EngineDeadError
+from pipeline.metrics import BusyMeter
+from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
+
+
+class SimulatedEngine:
+    """An engine that waits instead of computing."""
+
+    def __init__(self, cfg: SimulatedEngineConfig | None = None, *, seed: int = 0, name: str = "simulated-0",
+                 eos_token_id: int = 0) -> None:
+        self.cfg = cfg or SimulatedEngineConfig()
+        self.name = name
+        self.seed = seed
+        self.eos_token_id = eos_token_id
+        self.loaded_versions: set[int] = {0}
+        self.busy = BusyMeter()
+        self.stats = {"requests": 0, "cancelled": 0, "tokens": 0}
+        self._slots = asyncio.Semaphore(self.cfg.concurrency) if self.cfg.concurrency else None
+        self._closed = False
+
+    async def start(self) -> None:
+        return None
+
+    def _synthesize(self, request: GroupRequest, version: int) -> tuple[Completion, ...]:
+        rng = np.random.default_rng((self.seed, request.group_id, version, request.seed or 0))
+        T = min(self.cfg.completion_tokens, request.max_new_tokens)
+        V = self.cfg.vocab_size
+        tokens = rng.integers(1, V, size=(request.n, T), dtype=np.int64)
+        # log-probs of a peaked-but-random policy: negative, finite, version-dependent
+        logprobs = (-rng.exponential(1.0, size=(request.n, T)) - 0.01 * version).astype(np.float32)
+        return tuple(Completion(tokens[i], logprobs[i], "length") for i in range(request.n))
+
+    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
+        if self._closed:
+            raise EngineDeadError(f"engine {self.name} is closed")
+        if adapter.version not in self.loaded_versions:
+            await self.load_adapter(adapter)
+        self.stats["requests"] += 1
+        t_start = time.monotonic()
+        try:
+            if self._slots is not None:
+                await self._slots.acquire()
+            try:
+                with self.busy:
+                    if self.cfg.latency_s > 0:
+                        await asyncio.sleep(self.cfg.latency_s)
+                    completions = self._synthesize(request, adapter.version)
+            finally:
+                if self._slots is not None:
+                    self._slots.release()
+        except asyncio.CancelledError:
+            self.stats["cancelled"] += 1
+            raise
+        self.stats["tokens"] += sum(len(c.token_ids) for c in completions)
+        return Generation(request, completions, version=adapter.version, engine=self.name,
+                          t_start=t_start, t_end=time.monotonic())
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        if self._closed:
+            raise EngineDeadError(f"engine {self.name} is closed")
+        self.loaded_versions.add(adapter.version)
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        if adapter.version != 0:
+            self.loaded_versions.discard(adapter.version)
+
+    async def close(self) -> None:
+        self._closed = True

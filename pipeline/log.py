@@ -1,0 +1,91 @@
+"""Logging set-up: structlog events as JSON lines in the run directory, readable lines on the console.
+
+Configured once per run by the orchestrator (`configure_logging`), undone by `close_logging`.
+Every module logs with `structlog.get_logger(__name__)` and snake_case event names with fields
+(`adapter_published version=7 seconds=0.041`); `policy_version` and `engine` are bound through
+contextvars where they apply. The file gets every level; the console gets `level` and up,
+written through tqdm so a progress bar is not torn.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import structlog
+
+_HANDLERS: list[logging.Handler] = []
+_LOGGER_NAMES = ("pipeline", "benchmarks", "__main__", "run")
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """Writes console lines through tqdm when it is installed, so progress bars stay intact."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            msg = self.format(record)
+            try:
+                from tqdm import tqdm
+
+                tqdm.write(msg, file=self.stream)
+            except ImportError:
+                self.stream.write(msg + "\n")
+            self.flush()
+        except Exception:  # logging must never take the run down
+            self.handleError(record)
+
+
+def _shared_processors() -> list:
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+
+
+def configure_logging(run_dir: str | Path | None = None, level: str = "info", console: bool = True) -> None:
+    """Route structlog through stdlib logging to events.jsonl (all levels) and stderr (`level`+)."""
+    close_logging()
+    structlog.configure(
+        processors=_shared_processors() + [structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    if console:
+        h = _TqdmHandler(sys.stderr)
+        h.setLevel(getattr(logging, level.upper()))
+        h.setFormatter(structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                        structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())],
+            foreign_pre_chain=_shared_processors()))
+        _HANDLERS.append(h)
+    if run_dir is not None:
+        f = logging.FileHandler(Path(run_dir) / "events.jsonl", encoding="utf-8")
+        f.setLevel(logging.DEBUG)
+        f.setFormatter(structlog.stdlib.ProcessorFormatter(
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                        structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()],
+            foreign_pre_chain=_shared_processors()))
+        _HANDLERS.append(f)
+    for name in _LOGGER_NAMES:
+        lg = logging.getLogger(name)
+        lg.setLevel(logging.DEBUG)
+        lg.propagate = False
+        for h in _HANDLERS:
+            lg.addHandler(h)
+
+
+def close_logging() -> None:
+    """Flush and detach the handlers installed by configure_logging."""
+    structlog.contextvars.clear_contextvars()
+    for name in _LOGGER_NAMES:
+        lg = logging.getLogger(name)
+        for h in _HANDLERS:
+            lg.removeHandler(h)
+    for h in _HANDLERS:
+        h.flush()
+        h.close()
+    _HANDLERS.clear()

@@ -1,0 +1,661 @@
+"""The Pipeline: builds the components from a config and runs the loops on one event loop.
+
+    prompts ─► _admission_loop ─► _group_task (one per group) ───────────────► RolloutBuffer
+                 │ buffer.admit()   engine.generate(n) → decode → reward            │
+                 │ (staleness bound)                                                │ get_batch (EDF)
+                 ▼                                                                  ▼
+    serving version ◄─ _adapter_loop ◄─ AdapterStore.publish ◄──────────── _train_loop
+                       engine.load_adapter(v)   (shared filesystem)     trainer.step (thread)
+    RolloutLog (zarr) ◄── every group that leaves: trained at step s, dropped or failed, and why
+
+Invariants:
+- Only this module wires components together; components never call back into it.
+- Every admitted group leaves exactly once, through `_settle`: trained, dropped (reason) or
+  failed (reason), and is appended to the RolloutLog. At the end of a run
+  started = trained + dropped + failed, and the log has one entry per started group.
+- The event loop never blocks: model loading, training steps, publishing and zarr flushes run
+  in worker threads; engines run their own threads or processes.
+- The first task to fail ends the run with that error; shutdown closes the buffer, cancels,
+  gathers under a timeout, records what was in flight as dropped ("shutdown"), flushes the log
+  and closes what the pipeline built. CancelledError is never swallowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
+
+import numpy as np
+import structlog
+
+from pipeline.adapter_store import AdapterStore
+from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
+from pipeline.config import RunConfig, dump_toml
+from pipeline.engines.base import Engine
+from pipeline.errors import FatalError, PromptError, RecoverableError, RewardError
+from pipeline.log import close_logging, configure_logging
+from pipeline.loss import logprob_mismatch
+from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter
+from pipeline.rewards import RewardFn, RewardScorer
+from pipeline.rollout_log import RolloutLog
+from pipeline.tasks import PromptSource, build_task
+from pipeline.types import AdapterRef, Batch, Generation, GroupOutcome, GroupRequest, Prompt, RolloutGroup
+
+log = structlog.get_logger(__name__)
+
+_DONE = object()
+MAX_CONSECUTIVE_FAILURES = 64  # this many groups failing in a row means the cause is not one group
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What each training step yields to `async for result in pipeline.steps()`."""
+
+    step: int
+    version: int  # version published by this step
+    metrics: dict[str, Any]
+
+
+class Pipeline:
+    """Asynchronous GRPO: engines generate while the trainer learns, under a staleness bound.
+
+    Build it from a config; pass your own prompts, reward function(s), engines or trainer to
+    replace the built-in ones. Run it with `await pipeline.run()`, iterate steps with
+    `async for result in pipeline.steps()`, or call `pipeline.run_sync()` from plain code.
+    """
+
+    def __init__(self, config: RunConfig | None = None, *, prompts: Iterable[Any] | None = None,
+                 reward: RewardFn | Sequence[RewardFn] | None = None, reward_weights: Sequence[float] | None = None,
+                 engines: Sequence[Engine] | None = None, trainer: Any | None = None,
+                 tokenizer: Any | None = None, run_dir: str | Path | None = None, epochs: int | None = None,
+                 console: bool = True) -> None:
+        self.config = config or RunConfig()
+        cfg = self.config
+        if (prompts is None) != (reward is None):
+            raise ValueError("pass both prompts and reward, or neither (then the built-in task is used)")
+        self._user_prompts = prompts
+        self._user_reward = reward
+        self._reward_weights = reward_weights
+        self._user_engines = list(engines) if engines is not None else None
+        self._user_trainer = trainer
+        self._tokenizer = tokenizer
+        self._epochs = epochs
+        self._console = console
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+        self.run_dir = Path(run_dir or cfg.out or f"runs/{stamp}")
+        self.summary: dict[str, Any] = {}
+        self.timeline: dict[str, list[tuple[float, float]]] = {"generation": [], "training": []}
+        self.metrics_rows: list[dict[str, Any]] = []
+
+    # ================================================================== public entry points
+
+    async def run(self) -> dict[str, Any]:
+        """Run to the end; returns the summary (also written to summary.json)."""
+        async for _ in self.steps():
+            pass
+        return self.summary
+
+    def run_sync(self) -> dict[str, Any]:
+        """Run from synchronous code on a uvloop event loop (asyncio's where uvloop is missing)."""
+        try:
+            import uvloop
+
+            return uvloop.run(self.run())
+        except ImportError:  # uvloop is optional on platforms without it
+            return asyncio.run(self.run())
+
+    async def steps(self) -> AsyncIterator[StepResult]:
+        """Yield each step's result as it completes. Leaving the loop early shuts the run down."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        runner = asyncio.get_running_loop().create_task(self._run(queue), name="pipeline-run")
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                yield item
+            await runner
+        finally:
+            if not runner.done():
+                runner.cancel()
+                try:
+                    await runner
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():  # our own caller was cancelled too
+                        raise
+
+    # ================================================================== set-up
+
+    async def _run(self, queue: asyncio.Queue[Any]) -> None:
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(dump_toml(replace(cfg, out=str(self.run_dir))), encoding="utf-8")
+        configure_logging(self.run_dir, cfg.log.level, console=self._console)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self._built_engines: list[Engine] = []
+        self._queue = queue
+        self.rollout_log: RolloutLog | None = None
+        self.metrics: MetricsWriter | None = None
+        self.lag = LoopLagMonitor()
+        self.buffer: RolloutBuffer | None = None  # None until set-up has finished
+        self._t_start = time.monotonic()
+        error: BaseException | None = None
+        try:
+            await self._setup()
+            await self._main()
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            try:
+                await self._shutdown(error)
+            finally:
+                queue.put_nowait(_DONE)
+
+    async def _setup(self) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        needs_model = (self._user_engines is None and cfg.engine.kind != "simulated") or \
+            (self._user_trainer is None and cfg.trainer.kind == "peft") or self._tokenizer is None
+        self.model_path: str | None = None
+        if needs_model:
+            self.model_path = cfg.model.path or str(await asyncio.to_thread(self._build_model))
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = await asyncio.to_thread(
+                AutoTokenizer.from_pretrained, self.model_path, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = self._tokenizer or None  # tokenizer=False: no text (prompts carry token ids)
+        self.max_context = self._max_context()
+
+        # prompts and rewards
+        if self._user_prompts is None:
+            task = build_task(cfg.task, cfg.sampling.max_new_tokens)
+            items, reward = task.prompts, task.reward
+        else:
+            items, reward = self._user_prompts, self._user_reward
+        self.source = PromptSource(items, seed=cfg.seed, epochs=self._epochs, shuffle=True)
+        self.scorer = RewardScorer(reward, self._reward_weights)
+        self._token_cache: dict[str, tuple[int, ...]] = {}
+        self.prompts_refused: Counter[str] = Counter()
+
+        # storage
+        self.store = AdapterStore(cfg.store.root or self.run_dir / "adapters", base_model=str(self.model_path or ""),
+                                  keep_last=cfg.store.keep_last)
+        self.rollout_log = RolloutLog(self.run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)},
+                                      flush_every=4096)
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+
+        self._share_cpu()
+        # engines and trainer (started concurrently: both are slow)
+        self.engines = self._user_engines or self._build_engines()
+        if self._user_engines is None:
+            self._built_engines = list(self.engines)
+        self.trainer = self._user_trainer or self._build_trainer()
+        await asyncio.gather(*(e.start() for e in self.engines), asyncio.to_thread(self.trainer.setup))
+
+        pc = cfg.pipeline
+        self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
+                                    max_groups=pc.steps * pc.batch_groups)
+        self._adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
+        self._published = asyncio.Event()
+        self._publish_t: dict[int, float] = {}
+        self.publish_to_loaded: dict[int, float] = {}
+        self._live: dict[int, tuple[Prompt, int, float]] = {}
+        self._training: list[RolloutGroup] = []
+        self._engine_load: dict[str, int] = {e.name: 0 for e in self.engines}
+        self._consecutive_failures = 0
+        self._version_mismatches = 0
+        self.trainer_busy = BusyMeter()
+        self.setup_s = time.monotonic() - t0
+        log.info("pipeline_ready", run_dir=str(self.run_dir), engines=[e.name for e in self.engines],
+                 model=self.model_path, setup_s=round(self.setup_s, 2), batch_groups=pc.batch_groups,
+                 max_staleness=pc.max_staleness, group_size=cfg.sampling.n)
+
+    def _share_cpu(self) -> None:
+        """Engine and trainer both computing on the CPU: give each half the cores.
+
+        Two torch threads that each run a full-width OpenMP team oversubscribe the cores, and
+        the spinning teams slowed the tiny model's decoding by up to 100x on a 2-core machine.
+        """
+        cfg = self.config
+        if cfg.trainer.device == "cpu" and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \
+                and "cpu" in cfg.engine.devices:
+            import os
+
+            import torch
+
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+
+    def _build_model(self) -> Path:
+        from pipeline.models import build_model
+
+        return build_model(self.config.model.shape, self.config.model.cache_dir, seed=self.config.seed)
+
+    def _max_context(self) -> int | None:
+        cfg = self.config
+        if cfg.engine.kind == "vllm":
+            return cfg.engine.vllm.max_model_len
+        if self.model_path is None:
+            return None
+        try:
+            conf = json.loads((Path(self.model_path) / "config.json").read_text())
+        except (OSError, ValueError):  # a model without a readable config.json gets no length check
+            return None
+        return conf.get("max_position_embeddings")
+
+    def _build_engines(self) -> list[Engine]:
+        cfg = self.config
+        K = cfg.pipeline.max_staleness
+        engines: list[Engine] = []
+        for i, dev in enumerate(cfg.engine.devices):
+            if cfg.engine.kind == "simulated":
+                from pipeline.engines.simulated import SimulatedEngine
+
+                engines.append(SimulatedEngine(cfg.engine.simulated, seed=cfg.seed + i, name=f"simulated-{i}"))
+            elif cfg.engine.kind == "transformers":
+                from pipeline.engines.transformers import TransformersEngine
+
+                engines.append(TransformersEngine(
+                    self.model_path, sampling=cfg.sampling, cfg=cfg.engine.transformers, device=dev,
+                    dtype=cfg.model.dtype, max_loaded_adapters=cfg.engine.transformers.max_loaded_adapters or K + 1,
+                    seed=cfg.seed + i, name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code))
+            else:
+                from pipeline.engines.vllm import VLLMEngine
+
+                engines.append(VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=dev,
+                                          max_staleness=K, name=f"vllm-{i}", seed=cfg.engine.vllm.seed + i))
+        return engines
+
+    def _build_trainer(self) -> Any:
+        cfg = self.config
+        if cfg.trainer.kind == "simulated":
+            from pipeline.trainer import SimulatedTrainer
+
+            return SimulatedTrainer(cfg.trainer.step_s)
+        from pipeline.trainer import LoRATrainer
+
+        return LoRATrainer(self.model_path, cfg.trainer, cfg.loss, seed=cfg.seed,
+                           trust_remote_code=cfg.model.trust_remote_code,
+                           keep_versions=cfg.pipeline.max_staleness + 2)
+
+    # ================================================================== task bookkeeping
+
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, BufferClosed) and not self._failure.done():
+            self._failure.set_result(exc)
+
+    async def _main(self) -> None:
+        self.lag.start()
+        self._t_start = time.monotonic()
+        self._spawn(self._admission_loop(), "admission-loop")
+        self._spawn(self._adapter_loop(), "adapter-loop")
+        train = self._spawn(self._train_loop(), "train-loop")
+        done, _ = await asyncio.wait({train, self._failure}, return_when=asyncio.FIRST_COMPLETED)
+        if self._failure.done():
+            raise self._failure.result()
+        train.result()
+
+    # ================================================================== the loops
+
+    def _to_prompt(self, item: Any) -> Prompt:
+        """A data-source item as a validated Prompt (PromptError if it is malformed)."""
+        if isinstance(item, Prompt):
+            prompt = item
+        else:
+            if isinstance(item, str):
+                item = {"prompt": item}
+            if not isinstance(item, dict) or not ("prompt" in item or "token_ids" in item):
+                raise PromptError(f"a prompt must be a Prompt, a string or a dict with 'prompt', got {str(item)[:60]!r}")
+            text = item.get("prompt", "")
+            pid = str(item.get("id", text))
+            ids = item.get("token_ids")
+            if ids is None:
+                ids = self._token_cache.get(pid)
+                if ids is None:
+                    if self.tokenizer is None:
+                        raise PromptError(f"prompt {pid!r} has no token_ids and the pipeline has no tokenizer")
+                    ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                    self._token_cache[pid] = ids
+            meta = {k: v for k, v in item.items() if k not in ("prompt", "id", "token_ids")}
+            prompt = Prompt(id=pid, text=text, token_ids=tuple(ids), meta=meta)
+        if not prompt.token_ids:
+            raise PromptError(f"prompt {prompt.id!r} is empty")
+        need = len(prompt.token_ids) + self.config.sampling.max_new_tokens
+        if self.max_context is not None and need > self.max_context:
+            raise PromptError(f"prompt {prompt.id!r} has {len(prompt.token_ids)} tokens; with max_new_tokens "
+                              f"{self.config.sampling.max_new_tokens} it exceeds the context of {self.max_context}")
+        return prompt
+
+    async def _admission_loop(self) -> None:
+        """Consumes prompts; produces one group task per admitted group; waits on the admission bound."""
+        for item in self.source:
+            try:
+                prompt = self._to_prompt(item)
+            except PromptError as e:  # one malformed prompt is refused, not the run
+                self.prompts_refused["malformed"] += 1
+                log.warning("prompt_refused", reason=str(e))
+                continue
+            adm = await self.buffer.admit()
+            if adm is None:
+                return
+            self._live[adm.group_id] = (prompt, adm.version, adm.t_admitted)
+            self._spawn(self._group_task(adm, prompt), f"group-{adm.group_id}")
+        await self.buffer.finish_admission()
+        log.info("prompts_exhausted", position=self.source.position)
+
+    def _pick_engine(self) -> Engine:
+        return min(self.engines, key=lambda e: self._engine_load[e.name])
+
+    async def _group_task(self, adm: Admission, prompt: Prompt) -> None:
+        """Generates, scores and buffers one group; every outcome leaves through _settle."""
+        cfg = self.config
+        engine = self._pick_engine()
+        seed = (cfg.seed * 1_000_003 + adm.group_id) % 2**31 if cfg.sampling.per_request_seed else None
+        request = GroupRequest(adm.group_id, prompt, cfg.sampling.n, cfg.sampling.max_new_tokens, seed)
+        adapter = self._adapters[adm.version]
+        self._engine_load[engine.name] += 1
+        gen: Generation | None = None
+        try:
+            gen = await asyncio.wait_for(engine.generate(request, adapter), cfg.engine.request_timeout_s)
+        except FatalError:
+            raise
+        except (RecoverableError, asyncio.TimeoutError, RuntimeError, ValueError, OSError) as e:
+            # an engine call failing is this group's failure, counted and logged, not the run's
+            reason = "generation_timeout" if isinstance(e, asyncio.TimeoutError) else "generation_error"
+            log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason, error=repr(e))
+            await self._settle_failed(adm.group_id, reason, None, None)
+            return
+        finally:
+            self._engine_load[engine.name] -= 1
+        self.timeline["generation"].append((gen.t_start, gen.t_end))
+        if gen.version != adm.version or len(gen.completions) != request.n:
+            self._version_mismatches += gen.version != adm.version
+            log.error("generation_contract_broken", group_id=adm.group_id, engine=engine.name,
+                      asked_version=adm.version, got_version=gen.version, completions=len(gen.completions))
+            await self._settle_failed(adm.group_id, "version_mismatch" if gen.version != adm.version
+                                      else "wrong_completion_count", gen, None)
+            return
+        ids = [c.token_ids.tolist() for c in gen.completions]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True) if self.tokenizer is not None \
+            else [""] * len(ids)
+        try:
+            rewards = await self.scorer.score(prompt, texts, ids)
+        except RewardError as e:  # a reward bug fails this group; the run goes on
+            log.warning("group_failed", group_id=adm.group_id, reason="reward_error", error=str(e))
+            await self._settle_failed(adm.group_id, "reward_error", gen, None)
+            return
+        self._consecutive_failures = 0
+        group = RolloutGroup(gen, rewards, time.monotonic())
+        if cfg.pipeline.filter_zero_advantage and np.ptp(rewards) == 0:
+            await self.buffer.drop(adm.group_id, "zero_advantage")
+            self._record(group.group_id, "dropped", "zero_advantage", -1, gen, rewards)
+            return
+        try:
+            await self.buffer.put(group)
+        except BufferClosed:
+            # shutting down: keep what was produced in the log
+            self.buffer.settle_in_flight(adm.group_id, "shutdown")
+            self._record(adm.group_id, "dropped", "shutdown", -1, gen, rewards)
+
+    async def _settle_failed(self, group_id: int, reason: str, gen: Generation | None,
+                             rewards: np.ndarray | None) -> None:
+        self._consecutive_failures += 1
+        try:
+            await self.buffer.fail(group_id, reason)
+        except BufferClosed:
+            pass  # shutdown accounts for it below through settle_in_flight
+        if self.buffer.closed:
+            self.buffer.settle_in_flight(group_id, "shutdown")
+            self._record(group_id, "dropped", "shutdown", -1, gen, rewards)
+            return
+        self._record(group_id, "failed", reason, -1, gen, rewards)
+        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
+            raise FatalError(f"{self._consecutive_failures} groups failed in a row (last: {reason}); "
+                             "see events.jsonl for the errors")
+
+    def _record(self, group_id: int, fate: str, reason: str, step: int, gen: Generation | None,
+                rewards: np.ndarray | None) -> None:
+        """The one exit of a group from the system: its RolloutLog entry."""
+        prompt, version, t_adm = self._live.pop(group_id)
+        self.rollout_log.append(GroupOutcome(group_id, prompt, version, fate, reason, step, gen, rewards,
+                                             t_adm, time.monotonic()))
+
+    async def _adapter_loop(self) -> None:
+        """Consumes published versions; produces the serving version; waits on publishes and engine loads."""
+        K = self.config.pipeline.max_staleness
+        served = 0
+        while True:
+            await self._published.wait()
+            self._published.clear()
+            newest = max(self._adapters)
+            if newest <= served:
+                continue
+            ref = self._adapters[newest]
+            await asyncio.gather(*(e.load_adapter(ref) for e in self.engines))
+            self.publish_to_loaded[newest] = time.monotonic() - self._publish_t[newest]
+            served = newest
+            structlog.contextvars.bind_contextvars(policy_version=served)
+            await self.buffer.set_serving_version(served)
+            log.debug("adapter_serving", version=served, publish_to_loaded_s=round(self.publish_to_loaded[newest], 4))
+            keep_from = min(self.buffer.in_flight_versions() + [served - K])
+            for v in [v for v in self._adapters if 0 < v < keep_from]:
+                old = self._adapters.pop(v)
+                await asyncio.gather(*(e.unload_adapter(old) for e in self.engines))
+            await asyncio.to_thread(self.store.prune, keep_from)
+
+    async def _train_loop(self) -> None:
+        """Consumes batches (EDF under the staleness bound); produces published versions; waits on the buffer."""
+        from tqdm import tqdm
+
+        pc = self.config.pipeline
+
+        bar = tqdm(total=pc.steps, desc="steps", unit="step", dynamic_ncols=True,
+                   disable=not (self.config.log.progress and self._console and sys.stderr.isatty()))
+        try:
+            await self._train_steps(bar)
+        finally:
+            bar.close()
+
+    async def _train_steps(self, bar: Any) -> None:
+        pc = self.config.pipeline
+        version = 0
+        last_flush = time.monotonic()
+        for step in range(1, pc.steps + 1):
+            t_wait = time.monotonic()
+            sel = await self.buffer.get_batch(version)
+            wait_s = time.monotonic() - t_wait
+            for g, reason in sel.dropped:
+                self._record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
+            if not sel.groups:
+                log.info("out_of_data", step=step)
+                break
+            batch = Batch(step, version, tuple(sel.groups))
+            self._training = sel.groups  # abandoned as dropped if the run stops mid-step
+            check: dict[str, float] = {}
+            if step == 1 or (pc.logprob_check_every and (step - 1) % pc.logprob_check_every == 0):
+                check = await self._logprob_check(batch)
+            with self.trainer_busy:
+                stats = await asyncio.to_thread(self.trainer.step, batch)
+                t_pub = time.monotonic()
+                ref = await asyncio.to_thread(self.store.publish, stats.version, self.trainer.save_adapter)
+                publish_s = time.monotonic() - t_pub
+            self.timeline["training"].append((stats.t_start, time.monotonic()))
+            self._adapters[ref.version] = ref
+            self._publish_t[ref.version] = time.monotonic()
+            self._published.set()
+            self.buffer.commit(sel.groups)
+            self._training = []
+            for g in batch.groups:
+                self._record(g.group_id, "trained", "", step, g.generation, g.rewards)
+            if time.monotonic() - last_flush > 1.0 or step == pc.steps:
+                await asyncio.to_thread(self.rollout_log.flush)
+                last_flush = time.monotonic()
+            version = stats.version
+            row = self._step_row(batch, stats.metrics, check, wait_s, publish_s, ref)
+            self.metrics.write(row)
+            self.metrics_rows.append(row)
+            self._queue.put_nowait(StepResult(step, version, row))
+            log.debug("step", step=step, version=version, reward_mean=round(row["reward_mean"], 4),
+                      staleness_max=row["staleness_max"], wait_s=round(wait_s, 3),
+                      train_s=round(stats.t_end - stats.t_start, 3))
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=row["staleness_max"], refresh=False)
+
+    async def _logprob_check(self, batch: Batch) -> dict[str, float]:
+        """Recompute the trainer's log-probs of a few groups (under their own versions) against the engine's."""
+        n = self.config.pipeline.logprob_check_groups
+        groups = [g for g in batch.groups][:n]
+        if not groups:
+            return {}
+        try:
+            trainer_lp = await asyncio.to_thread(self.trainer.recompute_logprobs, groups)
+        except KeyError as e:  # the trainer no longer holds that version's weights: skip this check
+            log.warning("logprob_check_skipped", reason=str(e))
+            return {}
+        eng = np.concatenate([c.logprobs for g in groups for c in g.completions]).astype(np.float64)
+        tr = np.concatenate([x for per in trainer_lp for x in per]).astype(np.float64)
+        import torch
+
+        mm = logprob_mismatch(torch.from_numpy(eng), torch.from_numpy(tr))
+        out = {f"check/{k}": float(v) for k, v in mm.items()}
+        lvl = "warning" if out.get("check/mean_abs_diff", 0.0) > self.config.pipeline.logprob_warn_mean_abs else "info"
+        getattr(log, lvl)("logprob_check", step=batch.step, groups=len(groups),
+                          **{k.split("/")[1]: round(v, 5) for k, v in out.items()})
+        if lvl == "warning":
+            log.warning("logprob_contract_violated", mean_abs_diff=out.get("check/mean_abs_diff"),
+                        threshold=self.config.pipeline.logprob_warn_mean_abs,
+                        hint="engine and trainer disagree on the policy: check dtype, adapter loading, sampling")
+        return out
+
+    def _step_row(self, batch: Batch, train: dict[str, float], check: dict[str, float], wait_s: float,
+                  publish_s: float, ref: AdapterRef) -> dict[str, Any]:
+        now = time.monotonic()
+        wall = now - self._t_start
+        stal = batch.staleness
+        rewards = np.concatenate([g.rewards for g in batch.groups])
+        c = self.buffer.counts
+        row: dict[str, Any] = {
+            "step": batch.step, "version": ref.version, "wall_s": wall,
+            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+            "staleness_max": int(max(stal)), "staleness_mean": float(np.mean(stal)),
+            "groups": len(batch.groups), "tokens": batch.num_tokens,
+            "rollout/started": c.started, "rollout/trained": c.trained, "rollout/in_flight": c.in_flight,
+            "rollout/buffered": c.buffered, "rollout/dropped": sum(c.dropped.values()),
+            "rollout/failed": sum(c.failed.values()), "rollout/version_mismatch": self._version_mismatches,
+            "rollout/versions_verified": len(batch.groups),
+            "time/wait_batch_s": wait_s, "time/publish_s": publish_s,
+            "adapter/publish_to_loaded_s": self.publish_to_loaded.get(ref.version - 1, float("nan")),
+            "busy/generator": self._generator_busy() / max(wall, 1e-9),
+            "busy/trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
+            "loop/lag_p99_ms": self.lag.percentile_ms(99),
+        }
+        row.update(train)
+        row.update(check)
+        return row
+
+    def _generator_busy(self) -> float:
+        """Busy seconds of the generation tier: mean over engines of each engine's own busy time."""
+        return float(np.mean([e.busy.busy_total() for e in self.engines]))
+
+    # ================================================================== shutdown
+
+    async def _shutdown(self, error: BaseException | None) -> None:
+        timeout = self.config.pipeline.shutdown_timeout_s
+        wall = time.monotonic() - self._t_start
+        if self.buffer is not None:
+            left, _ = await self.buffer.close()
+            for g in left:
+                self._record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=timeout)
+            if pending:
+                log.error("shutdown_tasks_stuck", tasks=[t.get_name() for t in pending])
+        if self.buffer is not None:
+            self.buffer.abandon(self._training, "shutdown")
+            for g in self._training:
+                self._record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+            self._training = []
+            for gid in list(self._live):
+                self.buffer.settle_in_flight(gid, "shutdown")
+                self._record(gid, "dropped", "shutdown", -1, None, None)
+        await self.lag.stop()
+        if self._built_engines:
+            results = await asyncio.gather(*(asyncio.wait_for(e.close(), timeout) for e in self._built_engines),
+                                           return_exceptions=True)
+            for e, r in zip(self._built_engines, results):
+                if isinstance(r, BaseException):
+                    log.error("engine_close_failed", engine=e.name, error=repr(r))
+        if self.rollout_log is not None:
+            await asyncio.to_thread(self.rollout_log.close)
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.buffer is not None:
+            self.summary = self._summary(wall, error)
+            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
+            try:
+                from pipeline.report import write_report
+
+                await asyncio.to_thread(write_report, self.run_dir, self.metrics_rows, self.timeline, self._t_start)
+            except Exception as e:  # a failed plot must not hide the run's own outcome
+                log.warning("report_failed", error=repr(e))
+            level = "info" if self.summary["accounting_ok"] else "error"
+            getattr(log, level)("run_finished", **{k: v for k, v in self.summary.items()
+                                                   if k in ("steps", "wall_s", "groups_started", "groups_trained",
+                                                            "accounting_ok", "error")})
+        close_logging()
+
+    def _summary(self, wall: float, error: BaseException | None) -> dict[str, Any]:
+        c = self.buffer.counts
+        rows = self.metrics_rows
+        window = max(1, len(rows) // 5)
+        trained_tokens = sum(r["tokens"] for r in rows)
+        logged = len(self.rollout_log) if self.rollout_log is not None else 0
+        return {
+            "steps": len(rows),
+            "wall_s": wall,
+            "setup_s": self.setup_s,
+            "groups_started": c.started,
+            "groups_trained": c.trained,
+            "groups_dropped": dict(c.dropped),
+            "groups_failed": dict(c.failed),
+            "groups_logged": logged,
+            "prompts_refused": sum(self.prompts_refused.values()),
+            "accounting_ok": c.balanced() and c.in_flight == c.buffered == c.training == 0 and logged == c.started,
+            "groups_per_s": c.trained / max(wall, 1e-9),
+            "tokens_per_s": trained_tokens / max(wall, 1e-9),
+            "reward_first_window": float(np.mean([r["reward_mean"] for r in rows[:window]])) if rows else None,
+            "reward_final_window": float(np.mean([r["reward_mean"] for r in rows[-window:]])) if rows else None,
+            "staleness_max": max((r["staleness_max"] for r in rows), default=None),
+            "staleness_mean": float(np.mean([r["staleness_mean"] for r in rows])) if rows else None,
+            "busy_generator": self._generator_busy() / max(wall, 1e-9),
+            "busy_trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
+            "publish_to_loaded_s_mean": float(np.mean(list(self.publish_to_loaded.values())))
+            if self.publish_to_loaded else None,
+            "loop_lag_p99_ms": self.lag.percentile_ms(99),
+            "version_mismatches": self._version_mismatches,
+            "error": repr(error) if error is not None and not isinstance(error, asyncio.CancelledError) else None,
+            "cancelled": isinstance(error, asyncio.CancelledError),
+            "run_dir": str(self.run_dir),
+        }

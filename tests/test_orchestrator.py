@@ -1,0 +1,198 @@
+"""The Pipeline's invariants, with the simulated engine and trainer (fast, no model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.config import load_config
+from pipeline.metrics import read_jsonl
+from pipeline.orchestrator import Pipeline
+from pipeline.rollout_log import read_rollouts
+
+PROMPTS = [{"id": f"p{i}", "prompt": f"prompt {i}", "token_ids": [1 + i % 50, 2, 3], "label": i} for i in range(40)]
+
+
+def length_reward(prompts, completions, completion_ids, label, **kw):
+    return [float(len(ids) + lab % 3) for ids, lab in zip(completion_ids, label)]
+
+
+def sim_config(tmp_path, *, K=1, B=2, n=2, steps=6, latency=0.0, concurrency=0, step_s=0.0, **extra):
+    overrides = {
+        "out": str(tmp_path / "run"), "engine.kind": "simulated", "trainer.kind": "simulated",
+        "pipeline.steps": steps, "pipeline.batch_groups": B, "pipeline.max_staleness": K,
+        "sampling.n": n, "engine.simulated.latency_s": latency, "engine.simulated.concurrency": concurrency,
+        "engine.simulated.completion_tokens": 4, "trainer.step_s": step_s, "log.progress": False,
+    }
+    overrides.update(extra)
+    return load_config(None, overrides)
+
+
+def run(cfg, **kw):
+    p = Pipeline(cfg, prompts=kw.pop("prompts", PROMPTS), reward=kw.pop("reward", length_reward),
+                 tokenizer=False, console=False, **kw)
+    summary = p.run_sync()
+    return p, summary
+
+
+def assert_accounted(p, summary):
+    """started = trained + dropped + failed, and the zarr log holds exactly one entry per group."""
+    assert summary["accounting_ok"], summary
+    r = read_rollouts(p.run_dir / "rollouts.zarr")
+    assert r.num_groups == summary["groups_started"]
+    assert len(set(r.groups["group_id"].tolist())) == r.num_groups
+    fates = r.groups["fate"].tolist()
+    assert fates.count("trained") == summary["groups_trained"]
+    assert fates.count("failed") == sum(summary["groups_failed"].values())
+    assert fates.count("dropped") == sum(summary["groups_dropped"].values())
+    return r
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(K=st.integers(0, 4), B=st.integers(1, 3), latency=st.sampled_from([0.0, 0.001, 0.004]),
+       concurrency=st.sampled_from([0, 1, 3]), step_s=st.sampled_from([0.0, 0.002, 0.006]))
+def test_every_trained_group_is_at_most_max_staleness_old(tmp_path_factory, K, B, latency, concurrency, step_s):
+    tmp = tmp_path_factory.mktemp("prop")
+    p, summary = run(sim_config(tmp, K=K, B=B, steps=8, latency=latency, concurrency=concurrency, step_s=step_s))
+    r = assert_accounted(p, summary)
+    stal = r.staleness()
+    assert len(stal) == 8 * B
+    assert stal.min() >= 0 and stal.max() <= K
+    rows = read_jsonl(p.run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert max(row["staleness_max"] for row in rows) <= K
+
+
+def test_max_staleness_zero_serialises_generation_and_training(tmp_path):
+    p, summary = run(sim_config(tmp_path, K=0, B=3, steps=6, latency=0.01, step_s=0.01))
+    assert_accounted(p, summary)
+    gens, trains = p.timeline["generation"], p.timeline["training"]
+    assert len(gens) == 18 and len(trains) == 6
+    for gs, ge in gens:
+        for ts, te in trains:
+            assert ge <= ts or gs >= te, f"generation {gs, ge} overlaps training {ts, te}"
+
+
+def test_max_staleness_one_overlaps_generation_and_training(tmp_path):
+    # the counterpart of the test above: with K >= 1 the two tiers do run at the same time
+    p, summary = run(sim_config(tmp_path, K=1, B=3, steps=6, latency=0.01, step_s=0.02))
+    overlaps = sum(1 for gs, ge in p.timeline["generation"] for ts, te in p.timeline["training"]
+                   if gs < te and ge > ts)
+    assert overlaps > 0
+
+
+def test_reward_that_raises_fails_its_group_and_the_run_goes_on(tmp_path):
+    def flaky(prompts, completions, label, **kw):
+        if label[0] % 4 == 0:
+            raise ZeroDivisionError("bad label")
+        return [1.0] * len(prompts)
+
+    p, summary = run(sim_config(tmp_path, steps=5), reward=flaky)
+    assert summary["steps"] == 5
+    assert summary["groups_failed"].get("reward_error", 0) >= 1
+    r = assert_accounted(p, summary)
+    failed = [i for i in range(r.num_groups) if r.groups["fate"][i] == "failed"]
+    assert all(r.groups["reason"][i] == "reward_error" for i in failed)
+    # what the engine produced for a failed group is kept
+    assert all(len(r.group(i)["completions"]) == 2 for i in failed)
+    events = [json.loads(x) for x in (p.run_dir / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "group_failed" and "ZeroDivisionError" in e.get("error", "") for e in events)
+
+
+def test_reward_that_returns_nan_or_the_wrong_count_fails_the_group(tmp_path):
+    def bad(prompts, completions, label, **kw):
+        if label[0] % 2:
+            return [math.nan] * len(prompts)
+        return [1.0]  # wrong length for n=2
+
+    cfg = sim_config(tmp_path, steps=1, B=1)
+    p = Pipeline(cfg, prompts=PROMPTS, reward=bad, tokenizer=False, console=False)
+    with pytest.raises(Exception, match="groups failed in a row"):
+        p.run_sync()
+    assert p.summary["accounting_ok"]
+    assert p.summary["groups_failed"]["reward_error"] >= 64
+
+
+def test_async_reward_and_async_step_iterator(tmp_path):
+    async def slow_reward(prompts, completions, **kw):
+        await asyncio.sleep(0.001)
+        return [0.5] * len(prompts)
+
+    async def main():
+        p = Pipeline(sim_config(tmp_path, steps=4), prompts=PROMPTS, reward=slow_reward, tokenizer=False,
+                     console=False)
+        seen = [r.step async for r in p.steps()]
+        return p, seen
+
+    p, seen = asyncio.run(main())
+    assert seen == [1, 2, 3, 4]
+    assert_accounted(p, p.summary)
+
+
+def test_leaving_the_step_iterator_early_shuts_down_cleanly(tmp_path):
+    async def main():
+        p = Pipeline(sim_config(tmp_path, steps=50, latency=0.002), prompts=PROMPTS, reward=length_reward,
+                     tokenizer=False, console=False)
+        async for r in p.steps():
+            if r.step == 3:
+                break
+        return p
+
+    p = asyncio.run(main())
+    assert p.summary["steps"] == 3 and p.summary["cancelled"]
+    r = assert_accounted(p, p.summary)
+    assert (r.groups["reason"] == "shutdown").sum() == sum(p.summary["groups_dropped"].values())
+
+
+def test_cancelling_a_run_keeps_everything_produced(tmp_path):
+    async def main():
+        p = Pipeline(sim_config(tmp_path, steps=1000, latency=0.002, step_s=0.002), prompts=PROMPTS,
+                     reward=length_reward, tokenizer=False, console=False)
+        task = asyncio.create_task(p.run())
+        while len(p.metrics_rows) < 5:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return p
+
+    p = asyncio.run(main())
+    assert 0 < p.summary["steps"] < 1000
+    assert_accounted(p, p.summary)
+    assert (p.run_dir / "summary.json").exists() and (p.run_dir / "metrics.jsonl").exists()
+    assert not [t for t in p._tasks if not t.done()]
+
+
+def test_malformed_prompts_are_refused_one_by_one(tmp_path):
+    prompts = [{"id": "empty", "prompt": "", "token_ids": []}, {"no_prompt": 1}] + PROMPTS
+    p, summary = run(sim_config(tmp_path, steps=25), prompts=prompts)
+    assert summary["prompts_refused"] >= 2 and summary["steps"] == 25
+    events = [json.loads(x) for x in (p.run_dir / "events.jsonl").read_text().splitlines()]
+    reasons = [e["reason"] for e in events if e["event"] == "prompt_refused"]
+    assert any("'empty' is empty" in r for r in reasons)
+
+
+def test_a_finite_data_set_trains_every_prompt_once(tmp_path):
+    p, summary = run(sim_config(tmp_path, steps=100, B=4, K=2), epochs=1)
+    r = assert_accounted(p, summary)
+    trained = [r.groups["prompt_id"][i] for i in range(r.num_groups) if r.groups["fate"][i] == "trained"]
+    assert sorted(trained) == sorted(x["id"] for x in PROMPTS)
+    assert summary["steps"] == 10
+
+
+def test_run_directory_layout(tmp_path):
+    p, summary = run(sim_config(tmp_path, steps=3))
+    for name in ("config.toml", "metrics.jsonl", "events.jsonl", "rollouts.zarr", "adapters", "summary.json",
+                 "report.png"):
+        assert (p.run_dir / name).exists(), name
+    assert load_config(p.run_dir / "config.toml").pipeline.steps == 3
+    rows = read_jsonl(p.run_dir / "metrics.jsonl")
+    for key in ("step", "version", "reward_mean", "staleness_max", "staleness_mean", "groups", "tokens", "wall_s"):
+        assert key in rows[0]
+    assert np.isfinite(rows[-1]["reward_mean"])
