@@ -1,0 +1,319 @@
+"""Orchestration overhead: groups per second through the loop when generating and training cost nothing.
+
+    python benchmarks/overhead.py               # group sizes 1, 8, 64 on one core
+    python benchmarks/overhead.py --cpus 0      # on every core the process may use
+
+The simulated engine answers at once (latency 0, no concurrency cap) and the simulated trainer
+returns at once, so what is left is the pipeline itself: admission, one task per group, the
+reward call, the buffer, batch selection, publishing an (empty) adapter per step, loading it,
+and logging every group to zarr.
+
+How the figures are measured:
+- Steady state: from the end of step --warmup-steps to the end of the last step; groups/s is
+  groups trained over wall time, CPU us/group is time.process_time (every thread of the
+  process) over groups trained, loop-thread us/group the same for the event loop's thread only.
+- --cpus 1 (default) pins the process to one core first (Linux), as the issue's target says.
+- per-step vs per-group cost: n=8 also runs at B=8, and t(B) = per_group + per_step / B is
+  solved from the two batch sizes.
+- The reward is a trivial synchronous function (the common case: the pipeline runs it in a
+  worker thread); n=8 also runs with the same reward as a coroutine, which skips that thread.
+- Components alone, per group and for each n: the simulated engine's own generate (not
+  orchestration: it is subtracted to give the pipeline's share), the reward call as the
+  pipeline makes it (RewardScorer, sync in a worker thread and async), and the rollout log's
+  append (on the event loop) and flush (in a worker thread).
+- A last run of n=8 under cProfile (event-loop thread only, wall clock: time spent waiting for
+  the GIL while worker threads run is charged to whatever the loop was doing) gives where the
+  time goes; the profiler inflates times, so read them as shares.
+
+Writes <out>/overhead_<hardware>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
+
+from pipeline.config import load_config  # noqa: E402
+from pipeline.orchestrator import Pipeline  # noqa: E402
+
+BENCHMARK = "overhead"
+TARGET_GROUPS_PER_S = 20_000  # the issue's target with n=8 on one core
+PROMPTS = [{"id": f"p{i}", "prompt": "", "token_ids": [1 + i % 97, 2, 3, 4]} for i in range(4096)]
+
+
+def sync_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]], **kw: Any) -> list[float]:
+    return [float(len(ids)) for ids in completion_ids]
+
+
+async def async_reward(prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                       **kw: Any) -> list[float]:
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--group-sizes", default="1,8,64", help="n values (completions per group)")
+    p.add_argument("--groups", type=int, default=None, help="groups trained per measurement (default 20000)")
+    p.add_argument("--batch-groups", type=int, default=64, help="B, groups per training step")
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--completion-tokens", type=int, default=16, help="tokens per simulated completion")
+    p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--cpus", type=int, default=1, help="pin to this many cores first (0 = leave as is)")
+    p.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
+    p.add_argument("--profile-top", type=int, default=25, help="functions kept in the profile summary")
+    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--quick", action="store_true", help="a short smoke test (under a minute on 2 CPU cores)")
+    args = p.parse_args(argv)
+    if args.groups is None:
+        args.groups = 1500 if args.quick else 20_000
+    args.sizes = common.parse_list(args.group_sizes, int)
+    if args.batch_groups < 1 or args.groups < args.batch_groups * (args.warmup_steps + 2):
+        p.error(f"--groups must cover at least warm-up + 2 steps of --batch-groups "
+                f"({args.batch_groups * (args.warmup_steps + 2)}), got {args.groups}")
+    return args
+
+
+def pin(cpus: int) -> list[int] | None:
+    """Pin this process to its first `cpus` allowed cores; returns the previous set (None: unchanged)."""
+    if cpus <= 0 or not hasattr(os, "sched_setaffinity"):
+        return None
+    before = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, set(before[:cpus]))
+    return before
+
+
+async def components(n: int, tokens: int, groups: int, tmp: Path) -> dict[str, Any]:
+    """CPU and wall microseconds per group of the pieces a group passes through, each alone."""
+    from pipeline.config import SimulatedEngineConfig
+    from pipeline.engines.simulated import SimulatedEngine
+    from pipeline.rewards import RewardScorer
+    from pipeline.rollout_log import RolloutLog
+    from pipeline.types import AdapterRef, GroupOutcome, GroupRequest, Prompt
+
+    engine = SimulatedEngine(SimulatedEngineConfig(latency_s=0.0, completion_tokens=tokens), name="components")
+    prompt = Prompt("p0", "", (1, 2, 3, 4))
+    base = AdapterRef.base()
+    out: dict[str, Any] = {"group_size": n, "groups": groups}
+
+    def per_group(clock: common.Clock) -> tuple[float, float]:
+        return 1e6 * clock.cpu() / groups, 1e6 * clock.wall() / groups
+
+    clock = common.Clock()
+    gens = [await engine.generate(GroupRequest(i, prompt, n, tokens), base) for i in range(groups)]
+    out["engine_generate_cpu_us"], out["engine_generate_wall_us"] = per_group(clock)
+    ids = [[c.token_ids.tolist() for c in g.completions] for g in gens]
+    texts = [""] * n
+    for name, fn in (("reward_sync_thread", sync_reward), ("reward_async", async_reward)):
+        scorer = RewardScorer(fn)
+        clock = common.Clock()
+        rewards = [await scorer.score(prompt, texts, ids[i]) for i in range(groups)]
+        out[f"{name}_cpu_us"], out[f"{name}_wall_us"] = per_group(clock)
+    rlog = RolloutLog(tmp / f"components-n{n}.zarr", flush_every=groups + 1)
+    now = time.monotonic()
+    outcomes = [GroupOutcome(i, prompt, 0, "trained", "", 1, g, r, now, now)
+                for i, (g, r) in enumerate(zip(gens, rewards))]
+    clock = common.Clock()
+    for o in outcomes:
+        rlog.append(o)
+    out["log_append_cpu_us"], out["log_append_wall_us"] = per_group(clock)
+    clock = common.Clock()
+    rlog.flush()
+    out["log_flush_cpu_us"], out["log_flush_wall_us"] = per_group(clock)
+    out["log_flush_s"] = clock.wall()
+    rlog.close()
+    return out
+
+
+async def measure(args: argparse.Namespace, n: int, B: int, groups: int, reward: Any, run_dir: Path,
+                  profile: cProfile.Profile | None = None) -> dict[str, Any]:
+    steps = max(args.warmup_steps + 2, -(-groups // B))
+    cfg = load_config(None, {
+        "out": str(run_dir), "engine.kind": "simulated", "trainer.kind": "simulated",
+        "engine.simulated.latency_s": 0.0, "engine.simulated.concurrency": 0,
+        "engine.simulated.completion_tokens": args.completion_tokens, "trainer.step_s": 0.0,
+        "pipeline.steps": steps, "pipeline.batch_groups": B, "pipeline.max_staleness": args.max_staleness,
+        "sampling.n": n, "sampling.max_new_tokens": args.completion_tokens, "log.progress": False,
+        "log.level": "warning"})
+    p = Pipeline(cfg, prompts=PROMPTS, reward=reward, tokenizer=False, console=False)
+    mark: dict[str, float] = {}
+    async for r in p.steps():
+        if r.step == args.warmup_steps:
+            mark = {"wall": time.perf_counter(), "cpu": time.process_time(), "loop_cpu": time.thread_time()}
+            if profile is not None:
+                profile.enable()
+        if r.step == steps:
+            if profile is not None:
+                profile.disable()
+            wall, cpu, loop_cpu = (time.perf_counter() - mark["wall"], time.process_time() - mark["cpu"],
+                                   time.thread_time() - mark["loop_cpu"])
+    s = p.summary
+    if s["error"] or not s["accounting_ok"] or s["steps"] != steps:
+        raise RuntimeError(f"overhead run n={n} B={B} did not finish cleanly: {s}")
+    trained = (steps - args.warmup_steps) * B
+    return {
+        "group_size": n, "batch_groups": B, "steps": steps, "window_groups": trained, "window_s": wall,
+        "groups_per_s": trained / wall, "us_per_group_wall": 1e6 * wall / trained,
+        "cpu_us_per_group": 1e6 * cpu / trained, "loop_thread_cpu_us_per_group": 1e6 * loop_cpu / trained,
+        "cpu_utilisation": cpu / wall, "groups_per_s_overall": s["groups_per_s"], "wall_s": s["wall_s"],
+        "loop_lag_p99_ms": s["loop_lag_p99_ms"], "reward": "async" if reward is async_reward else "sync (thread)",
+    }
+
+
+def _where(filename: str) -> str:
+    """A short, stable label for a profiled function's file."""
+    if filename.startswith("~") or filename.startswith("<"):
+        return filename
+    parts = Path(filename).parts
+    for anchor in ("pipeline", "benchmarks"):
+        if anchor in parts and "site-packages" not in parts:
+            return "/".join(parts[parts.index(anchor):])
+    if "site-packages" in parts:
+        i = parts.index("site-packages")
+        return "/".join(parts[i + 1:i + 3])
+    return "/".join(parts[-2:])
+
+
+def profile_summary(prof: cProfile.Profile, groups: int, top: int) -> dict[str, Any]:
+    """Top functions by own time and pipeline functions by cumulative time, in us per group."""
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, tottime, cumtime, callers)
+    total = sum(v[2] for v in st.values())
+
+    def entry(key: tuple, v: tuple) -> dict[str, Any]:
+        file, line, name = key
+        return {"function": f"{_where(file)}:{line}({name})", "ncalls": v[1],
+                "calls_per_group": v[1] / groups, "tottime_us_per_group": 1e6 * v[2] / groups,
+                "cumtime_us_per_group": 1e6 * v[3] / groups, "tottime_share": v[2] / total if total else None}
+
+    by_own = sorted(st.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    ours = [(k, v) for k, v in st.items() if _where(k[0]).startswith("pipeline/")]
+    by_cum = sorted(ours, key=lambda kv: kv[1][3], reverse=True)[:top]
+    modules: dict[str, float] = {}
+    for (file, _, name), v in st.items():
+        where = _where(file)
+        label = where if where.startswith("pipeline/") else where.split("/")[0] if "/" in where else where
+        if file == "~":
+            label = f"built-in {name.split(' ')[-1].split('.')[0].strip('<>{}')}"
+        modules[label] = modules.get(label, 0.0) + v[2]
+    return {
+        "groups": groups, "profiled_s": total, "profiled_us_per_group": 1e6 * total / groups,
+        "note": "event-loop thread only, under cProfile (inflated); compare shares, not absolute times",
+        "top_own_time": [entry(k, v) for k, v in by_own],
+        "pipeline_cumulative": [entry(k, v) for k, v in by_cum],
+        "own_time_by_module": [{"module": m, "us_per_group": 1e6 * t / groups, "share": t / total if total else None}
+                               for m, t in sorted(modules.items(), key=lambda kv: kv[1], reverse=True)[:top]],
+    }
+
+
+async def main_async(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"results": [], "variants": [], "components": []}
+    B = args.batch_groups
+    for n in args.sizes:
+        r = await measure(args, n, B, args.groups, sync_reward, tmp / f"n{n}")
+        c = await components(n, args.completion_tokens, min(args.groups, 2000), tmp)
+        r["cpu_us_per_group_without_engine"] = r["cpu_us_per_group"] - c["engine_generate_cpu_us"]
+        out["results"].append(r)
+        out["components"].append(c)
+        print(f"n={n}: {r['groups_per_s']:.0f} groups/s, {r['cpu_us_per_group']:.1f} CPU us/group", flush=True)
+    if 8 in args.sizes:
+        small_b = 8 if B != 8 else 64
+        a = next(r for r in out["results"] if r["group_size"] == 8)
+        b = await measure(args, 8, small_b, max(args.groups // 4, small_b * (args.warmup_steps + 2)), sync_reward,
+                          tmp / "n8-smallB")
+        c = await measure(args, 8, B, args.groups, async_reward, tmp / "n8-async")
+        out["variants"] += [b, c]
+        # t(B) = per_group + per_step / B, from the two batch sizes
+        t1, t2, b1, b2 = a["us_per_group_wall"], b["us_per_group_wall"], B, small_b
+        per_step = (t2 - t1) / (1 / b2 - 1 / b1)
+        c1, c2 = a["cpu_us_per_group"], b["cpu_us_per_group"]
+        cpu_step = (c2 - c1) / (1 / b2 - 1 / b1)
+        out["decomposition_n8"] = {"batch_groups": [b1, b2], "per_step_us": per_step,
+                                   "per_group_us": t1 - per_step / b1, "cpu_per_step_us": cpu_step,
+                                   "cpu_per_group_us": c1 - cpu_step / b1}
+    if not args.no_profile and 8 in args.sizes:
+        prof = cProfile.Profile()
+        groups = max(args.groups // 4, B * (args.warmup_steps + 2))
+        pr = await measure(args, 8, B, groups, sync_reward, tmp / "n8-profile", profile=prof)
+        out["profile_n8"] = {"run": pr, **profile_summary(prof, pr["window_groups"], args.profile_top)}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from pipeline.log import configure_logging
+
+    configure_logging(None, "warning", console=True)
+    load = common.MachineLoad()
+    before = pin(args.cpus)
+    try:
+        with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+            res = common.run_async(main_async(args, Path(tmp)))
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, set(before))
+    hw = common.hardware()
+    hw["pinned_cpus"] = args.cpus or None
+    machine_load = load.record()
+    note = common.load_note(machine_load, hw["cpu_affinity"])
+    rows = [[r["group_size"], r["batch_groups"], r["reward"], r["groups_per_s"], r["us_per_group_wall"],
+             r["cpu_us_per_group"], r.get("cpu_us_per_group_without_engine"), r["loop_thread_cpu_us_per_group"],
+             r["loop_lag_p99_ms"]]
+            for r in res["results"] + res["variants"]]
+    tbl = common.table(["n", "B", "reward", "groups/s", "wall us/group", "CPU us/group", "CPU w/o engine",
+                        "loop-thread us/group", "lag p99 ms"], rows)
+    ctbl = common.table(
+        ["n", "engine generate", "reward (thread)", "reward (async)", "log append", "log flush"],
+        [[c["group_size"], c["engine_generate_cpu_us"], c["reward_sync_thread_cpu_us"], c["reward_async_cpu_us"],
+          c["log_append_cpu_us"], c["log_flush_cpu_us"]] for c in res["components"]])
+    cores = f"{args.cpus} core{'s' if args.cpus > 1 else ''}" if args.cpus else f"{hw['cpu_affinity']} cores"
+    lines = [f"orchestration overhead -- simulated engine (latency 0) and trainer (0 s), K={args.max_staleness}, "
+             f"{args.completion_tokens} tokens per completion | {common.hardware_tag(hw)}, {cores}", tbl,
+             "components alone, CPU us per group (the engine's own work is not orchestration):", ctbl]
+    n8 = next((r for r in res["results"] if r["group_size"] == 8), None)
+    if n8 is not None:
+        res["target_n8_groups_per_s"] = TARGET_GROUPS_PER_S
+        res["target_n8_met"] = n8["groups_per_s"] >= TARGET_GROUPS_PER_S
+        lines.append(f"n=8: {n8['groups_per_s']:.0f} groups/s against the target {TARGET_GROUPS_PER_S} -> "
+                     f"{'met' if res['target_n8_met'] else 'NOT met'}")
+    if "decomposition_n8" in res:
+        d = res["decomposition_n8"]
+        lines.append(f"n=8 cost model: {d['per_group_us']:.1f} us per group + {d['per_step_us']:.0f} us per step "
+                     f"(wall); CPU {d['cpu_per_group_us']:.1f} us per group + {d['cpu_per_step_us']:.0f} us per step")
+    if "profile_n8" in res:
+        prof = res["profile_n8"]
+        lines.append(f"profile (n=8, event-loop thread, cProfile-inflated {prof['profiled_us_per_group']:.0f} "
+                     "us/group); top own time:")
+        for e in prof["top_own_time"][:12]:
+            lines.append(f"  {100 * e['tottime_share']:5.1f}%  {e['tottime_us_per_group']:7.2f} us/group  "
+                         f"{e['calls_per_group']:6.2f} calls/group  {e['function']}")
+        lines.append("  pipeline functions by cumulative time (us/group): " + ", ".join(
+            f"{e['function'].split('(')[-1].rstrip(')')} {e['cumtime_us_per_group']:.0f}"
+            for e in prof["pipeline_cumulative"][:10]))
+    if note:
+        lines.append(f"note: {note}")
+    text = "\n".join(lines)
+    print(text, flush=True)
+    name = f"{BENCHMARK}_{common.hardware_tag(hw)}-pin{args.cpus}{'_quick' if args.quick else ''}"
+    record = {**common.header(BENCHMARK, argv), "hardware": hw, "machine_load": machine_load, "load_note": note,
+              "settings": {k: getattr(args, k) for k in ("sizes", "groups", "batch_groups", "max_staleness",
+                                                         "completion_tokens", "warmup_steps", "cpus", "quick")},
+              **res, "table": tbl, "components_table": ctbl, "printed": text}
+    out = Path(args.out)
+    record["files"] = {"json": str(out / f"{name}.json")}
+    common.write_json(out / f"{name}.json", record)
+    print(f"wrote {out / name}.json", flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The benchmark scripts' --quick modes: they run, and their JSON holds sane figures and the hardware.
+
+Each script is loaded from benchmarks/ and its `main(argv)` run in this process (the TRL one in
+a subprocess, marked slow, skipped without TRL). Figures are checked for sense, not speed,
+except the simulated balanced sweep, whose overlap at max_staleness=1 must show (> 1.3x).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+HARDWARE_KEYS = {"cpu_model", "cpu_cores", "gpus", "versions", "loadavg_1m"}
+
+
+def load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def read_json(path: str) -> dict:
+    data = json.loads(Path(path).read_text())
+    assert HARDWARE_KEYS <= set(data["hardware"]), data["hardware"]
+    assert data["hardware"]["versions"]["torch"]
+    assert data["settings"] and data["printed"]
+    return data
+
+
+@pytest.mark.parametrize("name", ["throughput_vs_staleness", "overhead", "vs_trl"])
+def test_every_script_has_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        load(name).parse_args(["--help"])
+    assert e.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+
+
+def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Path) -> None:
+    tvs = load("throughput_vs_staleness")
+    [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0,1", "--out", str(tmp_path)])
+    data = read_json(rec["files"]["json"])
+    assert Path(rec["files"]["png"]).stat().st_size > 10_000
+    assert "sim_balanced" in Path(rec["files"]["json"]).name
+    st = data["standalone"]
+    assert st["t_gen_s"] > 0 and st["t_train_s"] >= st["t_train_step_s"] > 0
+    assert 1.0 <= st["ideal_speedup"] <= 2.0
+    assert math.isclose(st["ideal_speedup"], (st["t_gen_s"] + st["t_train_s"]) / max(st["t_gen_s"], st["t_train_s"]))
+    # the simulated generator is shaped as asked: B groups take one latency, 2B take two
+    c = data["checks"]
+    assert 0.9 < c["batch_s_over_latency_s"] < 1.5 and 1.7 < c["two_batches_over_one"] < 2.5
+    k0, k1 = data["results"]
+    assert (k0["max_staleness"], k1["max_staleness"]) == (0, 1)
+    assert k0["speedup"] == 1.0 and k1["speedup"] > 1.3, k1
+    assert k1["ideal"] == st["ideal_speedup"]
+    for r in data["results"]:
+        assert r["accounting_ok"] and r["steps"] == data["settings"]["steps"]
+        assert r["staleness_max"] <= r["max_staleness"]
+        assert sum(r["staleness_hist"].values()) == r["steps"] * data["settings"]["batch_groups"]
+        assert 0 < r["busy_generator"] <= 1.0 and 0 < r["busy_trainer"] <= 1.0
+        assert r["groups_per_s"] > 0 and r["tokens_per_s"] > r["groups_per_s"]
+        assert r["loop_lag_p99_ms"] >= 0 and r["publish_to_loaded_ms_mean"] > 0
+        # every group ran at the simulated engine's own speed
+        assert 0.8 < r["gen_kept_of_standalone"] < 1.25
+    assert k0["staleness_max"] == 0 and k1["staleness_mean"] > 0
+
+
+def test_transformers_sweep_reports_reward_at_equal_samples(tmp_path: Path, model_cache: Path) -> None:
+    tvs = load("throughput_vs_staleness")
+    [rec] = tvs.main(["--quick", "--engine", "transformers", "--out", str(tmp_path), "--model-cache",
+                      str(model_cache), "--repeats", "1"])
+    data = read_json(rec["files"]["json"])
+    assert data["standalone"]["gen_tokens_per_s"] > 0
+    samples = {r["samples"] for r in data["results"]}
+    assert len(samples) == 1  # every K trained the same number of samples
+    for r in data["results"]:
+        assert 0.0 <= r["reward_final"] <= 1.0 and len(r["reward_curve"]) == r["steps"]
+        assert r["gen_kept_of_standalone"] > 0
+
+
+def test_vllm_sweep_refuses_clearly_without_vllm_or_gpus() -> None:
+    tvs = load("throughput_vs_staleness")
+    if tvs.vllm_missing("cuda:0", "cuda:1") is None:
+        pytest.skip("vLLM and two GPUs are here: the refusal cannot be shown")
+    with pytest.raises(SystemExit, match="--engine vllm cannot run here: .*(vLLM|GPU|device)"):
+        tvs.main(["--engine", "vllm", "--quick"])
+
+
+class StandInVLLM:
+    """The VLLMEngine API the sweep uses, over the simulated engine (no GPU): adapters by name."""
+
+    instances: list["StandInVLLM"] = []
+
+    def __init__(self, model_path, *, sampling, cfg, device, max_staleness, name, seed) -> None:
+        from pipeline.config import SimulatedEngineConfig
+        from pipeline.engines.simulated import SimulatedEngine
+
+        self.sim = SimulatedEngine(SimulatedEngineConfig(latency_s=0.002, completion_tokens=sampling.max_new_tokens),
+                                   seed=seed, name=name)
+        self.name, self.busy, self.max_loras = name, self.sim.busy, max_staleness + 2
+        self.adapters: dict[str, str | None] = {}  # name -> directory
+        self.closed = 0
+        StandInVLLM.instances.append(self)
+
+    @property
+    def loaded_adapters(self) -> tuple[str, ...]:
+        return tuple(self.adapters)
+
+    async def start(self) -> None:
+        return None
+
+    async def load_adapter(self, adapter) -> None:
+        if adapter.version == 0:
+            return
+        if self.adapters.get(adapter.name, adapter.path) != adapter.path:  # VLLMEngine refuses this too
+            raise ValueError(f"adapter name {adapter.name} loaded from another directory")
+        self.adapters[adapter.name] = adapter.path
+
+    async def unload_adapter(self, adapter) -> None:
+        self.adapters.pop(adapter.name, None)
+
+    async def generate(self, request, adapter):
+        await self.load_adapter(adapter)
+        return await self.sim.generate(request, adapter)
+
+    async def standalone_throughput(self, prompts, n, max_new_tokens) -> dict:
+        import asyncio
+        import time
+
+        from pipeline.types import AdapterRef, GroupRequest, Prompt
+
+        t0 = time.monotonic()
+        gens = await asyncio.gather(*(self.generate(GroupRequest(i, Prompt(str(i), "", tuple(p)), n, max_new_tokens),
+                                                    AdapterRef.base()) for i, p in enumerate(prompts)))
+        seconds = time.monotonic() - t0
+        tokens = sum(g.num_tokens for g in gens)
+        return {"groups": len(gens), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+    async def close(self) -> None:
+        self.closed += 1
+
+
+def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_cache: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # the vLLM path's plumbing with a stand-in engine: one engine for every run, never closed by a
+    # Pipeline, no adapter of one run left loaded for the next, the standalone rate from its own API
+    import torch
+
+    import pipeline.engines.vllm
+
+    tvs = load("throughput_vs_staleness")
+    StandInVLLM.instances.clear()
+    monkeypatch.setattr(pipeline.engines.vllm, "VLLMEngine", StandInVLLM)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)  # the config names "cuda:0"; nothing uses it
+    monkeypatch.setattr(tvs, "vllm_missing", lambda *a: None)
+    loaded_after_runs: list[tuple[str, ...]] = []
+    after_run = tvs.VLLMWorkload.after_run
+
+    async def spy(self) -> None:
+        await after_run(self)
+        loaded_after_runs.append(self.engine.loaded_adapters)
+
+    monkeypatch.setattr(tvs.VLLMWorkload, "after_run", spy)
+    [rec] = tvs.main(["--engine", "vllm", "--quick", "--model-shape", "tiny", "--trainer-device", "cpu",
+                      "--trainer-dtype", "float32", "--steps", "4", "--batch-groups", "2", "--group-size", "4",
+                      "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path), "--model-cache",
+                      str(model_cache)])
+    [engine] = StandInVLLM.instances
+    assert engine.closed == 1 and loaded_after_runs == [(), ()]
+    data = read_json(rec["files"]["json"])
+    assert data["settings"]["max_loras"] == 1 + 2  # sized for the sweep's largest K
+    for r in data["results"]:
+        assert r["gen_kept_of_standalone"] > 0 and r["accounting_ok"]
+        assert f"max_staleness={r['max_staleness']}: generation inside the pipeline keeps" in data["printed"]
+
+
+def test_overhead_reports_rates_costs_and_a_profile(tmp_path: Path) -> None:
+    ov = load("overhead")
+    rec = ov.main(["--quick", "--cpus", "0", "--group-sizes", "1,8", "--groups", "640", "--batch-groups", "32",
+                   "--out", str(tmp_path)])
+    data = read_json(rec["files"]["json"])
+    assert [r["group_size"] for r in data["results"]] == [1, 8]
+    for r in data["results"] + data["variants"]:
+        assert r["groups_per_s"] > 0 and r["cpu_us_per_group"] > 0
+        assert r["loop_thread_cpu_us_per_group"] <= r["cpu_us_per_group"] * 1.05
+        assert math.isclose(r["groups_per_s"] * r["us_per_group_wall"], 1e6, rel_tol=1e-6)
+    assert data["target_n8_met"] == (data["results"][1]["groups_per_s"] >= 20_000)
+    for r, c in zip(data["results"], data["components"]):
+        assert c["group_size"] == r["group_size"]
+        assert 0 < c["engine_generate_cpu_us"] < r["cpu_us_per_group"]
+        own = r["cpu_us_per_group"] - c["engine_generate_cpu_us"]
+        assert r["cpu_us_per_group_without_engine"] == pytest.approx(own)
+        assert c["log_append_cpu_us"] > 0 and c["log_flush_cpu_us"] > 0 and c["reward_async_cpu_us"] > 0
+    prof = data["profile_n8"]
+    assert prof["top_own_time"] and all("(" in e["function"] for e in prof["top_own_time"])
+    assert any(e["function"].startswith("pipeline/") for e in prof["pipeline_cumulative"])
+    shares = [m["share"] for m in prof["own_time_by_module"]]
+    assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1.0 + 1e-9
+
+
+def test_vs_trl_our_side_alone(tmp_path: Path, model_cache: Path) -> None:
+    vt = load("vs_trl")
+    rec = vt.main(["--quick", "--skip-trl", "--out", str(tmp_path), "--model-cache", str(model_cache)])
+    data = read_json(rec["files"]["json"])
+    assert [s["system"] for s in data["summary"]] == ["pipeline K=0", "pipeline K=2"]
+    for s in data["summary"]:
+        assert s["samples"] == 3 * 2 * 4  # --quick: 3 steps of 2 prompts x 4 completions
+        assert s["samples_per_s"]["mean"] > 0 and 0.0 <= s["reward_final"]["mean"] <= 1.0
+
+
+@pytest.mark.slow
+def test_vs_trl_runs_trl_and_ours_on_equal_samples(tmp_path: Path, model_cache: Path) -> None:
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    proc = subprocess.run([sys.executable, str(BENCH / "vs_trl.py"), "--quick", "--out", str(tmp_path),
+                           "--model-cache", str(model_cache)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [path] = tmp_path.glob("vs_trl_*.json")
+    data = read_json(str(path))
+    systems = {s["system"]: s for s in data["summary"]}
+    assert set(systems) == {"trl", "pipeline K=0", "pipeline K=2"}
+    assert len({s["samples"] for s in systems.values()}) == 1
+    assert data["trl"]["beta"] == 0.0 and data["trl"]["top_k"] == 0 and data["trl"]["num_iterations"] == 1
+    assert data["trl"]["gradient_checkpointing"] is False and data["trl"]["bf16"] is False
+    assert set(data["ratios"]) == {"pipeline K=0", "pipeline K=2"}
+    for run in data["runs"]:
+        assert run["samples_per_s"] > 0 and len(run["reward_curve"]) == data["settings"]["steps"]
