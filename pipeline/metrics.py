@@ -7,6 +7,7 @@ reduced once per step. Metrics are not logs: they go to `metrics.jsonl`, one obj
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -83,10 +84,14 @@ class LoopLagMonitor:
                 pass
             self._task = None
 
-    def percentile_ms(self, q: float) -> float:
+    def percentile_ms(self, q: float, last: int | None = None) -> float:
+        """The q-th percentile of the lag in milliseconds, over all samples or the `last` ones."""
         if not self.lags:
             return 0.0
-        return float(np.percentile(np.fromiter(self.lags, dtype=np.float64), q) * 1000.0)
+        n = len(self.lags)
+        k = n if last is None else min(n, last)
+        it = itertools.islice(self.lags, n - k, n)
+        return float(np.percentile(np.fromiter(it, dtype=np.float64, count=k), q) * 1000.0)
 
 
 def summarize(values: Iterable[float], prefix: str) -> dict[str, float]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -29,25 +30,50 @@ def _name(fn: RewardFn) -> str:
 
 
 class RewardScorer:
-    """A weighted sum of reward functions, applied to one group at a time."""
+    """A weighted sum of reward functions, applied to one group at a time.
+
+    Async functions are awaited on the loop. A sync function runs in a worker thread until its
+    calls prove cheap: once its recent calls average under `inline_below_s`, it runs inline on
+    the loop (a thread hop costs more than such a call); a call that then takes longer than
+    `inline_max_s` sends it back to the thread, so a slow reward never stalls the loop for long.
+    """
 
     def __init__(self, fns: RewardFn | Sequence[RewardFn], weights: Sequence[float] | None = None,
-                 sync_in_thread: bool = True) -> None:
+                 inline_below_s: float = 100e-6, inline_max_s: float = 2e-3) -> None:
         self.fns = [fns] if callable(fns) else list(fns)
         if not self.fns:
             raise ValueError("at least one reward function is needed")
         self.weights = list(weights) if weights is not None else [1.0] * len(self.fns)
         if len(self.weights) != len(self.fns):
             raise ValueError(f"{len(self.fns)} reward functions but {len(self.weights)} weights")
-        self.sync_in_thread = sync_in_thread  # a blocking reward must not stall the event loop
+        self.names = [_name(fn) for fn in self.fns]
+        # classified once: inspect.iscoroutinefunction is slow enough to matter per group
+        self.is_async = [inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+                         for fn in self.fns]
+        self.inline_below_s = inline_below_s
+        self.inline_max_s = inline_max_s
+        self._mean_s = [float("inf")] * len(self.fns)  # running mean duration of each sync function
+        self.inline = [False] * len(self.fns)
 
-    async def _call(self, fn: RewardFn, prompts: list[str], completions: list[str], kwargs: dict) -> Any:
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
-            return await fn(prompts, completions, **kwargs)
-        if self.sync_in_thread:
-            out = await asyncio.to_thread(fn, prompts, completions, **kwargs)
+    def _timed(self, i: int, args: tuple, kwargs: dict) -> Any:
+        t = time.perf_counter()
+        out = self.fns[i](*args, **kwargs)
+        dt = time.perf_counter() - t
+        m = self._mean_s[i]
+        self._mean_s[i] = dt if m == float("inf") else 0.8 * m + 0.2 * dt
+        if self.inline[i] and dt > self.inline_max_s:
+            self.inline[i] = False
+        elif not self.inline[i] and self._mean_s[i] < self.inline_below_s:
+            self.inline[i] = True
+        return out
+
+    async def _call(self, i: int, prompts: list[str], completions: list[str], kwargs: dict) -> Any:
+        if self.is_async[i]:
+            return await self.fns[i](prompts, completions, **kwargs)
+        if self.inline[i]:
+            out = self._timed(i, (prompts, completions), kwargs)
         else:
-            out = fn(prompts, completions, **kwargs)
+            out = await asyncio.to_thread(self._timed, i, (prompts, completions), kwargs)
         if inspect.isawaitable(out):
             out = await out
         return out
@@ -59,10 +85,10 @@ class RewardScorer:
         kwargs: dict[str, Any] = {k: [v] * n for k, v in prompt.meta.items()}
         kwargs["completion_ids"] = completion_ids
         total = np.zeros(n, dtype=np.float64)
-        for fn, w in zip(self.fns, self.weights):
-            name = _name(fn)
+        for i, w in enumerate(self.weights):
+            name = self.names[i]
             try:
-                out = await self._call(fn, prompts, completions, kwargs)
+                out = await self._call(i, prompts, completions, kwargs)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a user's reward bug fails this group, not the run

@@ -130,8 +130,11 @@ def _to_row(o: GroupOutcome) -> _Row:
         if len(rewards) != len(comps):
             raise ValueError(f"group {o.group_id}: {len(rewards)} rewards for {len(comps)} completions")
     tok_lens = np.array([len(c.token_ids) for c in comps], dtype=np.int32)
-    tokens = [_token_ids_int32(c.token_ids, f"group {o.group_id} completion") for c in comps]
-    logprobs = [np.asarray(c.logprobs, dtype=np.float32).reshape(-1) for c in comps]
+    # one concatenation and one range check per group, not per completion (append is on the loop)
+    tokens = _token_ids_int32(np.concatenate([np.asarray(c.token_ids).reshape(-1) for c in comps])
+                              if comps else np.zeros(0, np.int64), f"group {o.group_id} completion")
+    logprobs = (np.concatenate([np.asarray(c.logprobs).reshape(-1) for c in comps]).astype(np.float32, copy=False)
+                if comps else np.zeros(0, np.float32))
     scalars = {
         "group_id": o.group_id,
         "prompt_id": o.prompt.id,
@@ -151,8 +154,8 @@ def _to_row(o: GroupOutcome) -> _Row:
         rewards=rewards,
         finish_reasons=[c.finish_reason for c in comps],
         tok_lens=tok_lens,
-        tokens=np.concatenate(tokens) if tokens else np.zeros(0, np.int32),
-        logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0, np.float32),
+        tokens=tokens,
+        logprobs=logprobs,
     )
 
 

@@ -4,7 +4,7 @@ It keeps the Engine contract (n completions, equal-length token ids and log-prob
 asked for, abort on cancel) so the orchestrator, tests and benchmarks can run without a model.
 Speed: each group takes `latency_s`; at most `concurrency` groups run at once (0 = unlimited),
 so `concurrency / latency_s` groups per second is the generator's standalone rate.
-Tokens are deterministic in (seed, group id, version): a test can tell versions apart.
+Tokens are deterministic in (seed, group id, version, request seed): a test can tell versions apart.
 """
 
 from __future__ import annotations
@@ -34,17 +34,28 @@ class SimulatedEngine:
         self.stats = {"requests": 0, "cancelled": 0, "tokens": 0}
         self._slots = asyncio.Semaphore(self.cfg.concurrency) if self.cfg.concurrency else None
         self._closed = False
+        self._tokens: np.ndarray | None = None
+        self._logprobs: np.ndarray | None = None
 
     async def start(self) -> None:
         return None
 
+    _POOL = 1 << 18  # synthetic values drawn once; groups take slices (a fresh RNG per group costs ~50 us)
+
     def _synthesize(self, request: GroupRequest, version: int) -> tuple[Completion, ...]:
-        rng = np.random.default_rng((self.seed, request.group_id, version, request.seed or 0))
+        if self._tokens is None:
+            rng = np.random.default_rng(self.seed)
+            self._tokens = rng.integers(1, self.cfg.vocab_size, size=self._POOL, dtype=np.int64)
+            # log-probs of a peaked-but-random policy: negative and finite
+            self._logprobs = (-rng.exponential(1.0, size=self._POOL)).astype(np.float32)
         T = min(self.cfg.completion_tokens, request.max_new_tokens)
-        V = self.cfg.vocab_size
-        tokens = rng.integers(1, V, size=(request.n, T), dtype=np.int64)
-        # log-probs of a peaked-but-random policy: negative, finite, version-dependent
-        logprobs = (-rng.exponential(1.0, size=(request.n, T)) - 0.01 * version).astype(np.float32)
+        size = request.n * T
+        if size > self._POOL:
+            raise ValueError(f"simulated groups hold at most {self._POOL} tokens, asked for {size}")
+        key = request.group_id * 2654435761 + version * 40503 + (request.seed or 0) * 977
+        off = key % (self._POOL - size + 1)
+        tokens = self._tokens[off:off + size].reshape(request.n, T)
+        logprobs = (self._logprobs[off:off + size] - np.float32(0.01 * version)).reshape(request.n, T)
         return tuple(Completion(tokens[i], logprobs[i], "length") for i in range(request.n))
 
     async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
