@@ -105,6 +105,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--ratios", help="several ratios in one go, e.g. 3,1,0.33 (overrides --gen-ratio)")
     s.add_argument("--train-step-s", type=float, default=None, help="simulated trainer seconds per step (0.05)")
     m = p.add_argument_group("real engines (--engine transformers|vllm)")
+    m.add_argument("--trainer-process", choices=("auto", "yes", "no"), default="auto",
+                   help="train in a child process (auto: yes for vllm, where the step's GIL time slows vLLM's "
+                        "output handling on the event loop)")
     m.add_argument("--model-shape", help="built-in model shape (default: tiny; vllm: qwen2.5-0.5b)")
     m.add_argument("--model-cache", default=".cache/models", help="where built-in models are built once")
     m.add_argument("--lr", type=float, help="learning rate (default: the trainer config's)")
@@ -356,7 +359,9 @@ class ModelWorkload(Workload):
         a = self.args
         o = super().overrides(K, run_dir)
         o.update({"model.path": str(self.model_path), "task.name": "char_class", "trainer.kind": "peft",
-                  "trainer.lora_rank": a.lora_rank, "trainer.lora_alpha": a.lora_alpha})
+                  "trainer.lora_rank": a.lora_rank, "trainer.lora_alpha": a.lora_alpha,
+                  "trainer.separate_process": a.trainer_process == "yes"
+                  or (a.trainer_process == "auto" and self.kind == "vllm")})
         if a.lr is not None:
             o["trainer.lr"] = a.lr
         return o

@@ -61,13 +61,13 @@ class SamplingConfig:
 
     n: int = 8  # completions per prompt (the GRPO group size)
     max_new_tokens: int = 16  # completion length cap
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # != 1 needs loss.correction = "none"
+    top_p: float = 1.0  # != 1 needs loss.correction = "none"
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0  # 0 = off (vLLM only)
+    frequency_penalty: float = 0.0  # 0 = off (vLLM only)
     per_request_seed: bool = False  # seed every group from (run seed, group id); costs vLLM throughput
 
     def __post_init__(self) -> None:
@@ -117,10 +117,10 @@ class VLLMEngineConfig:
 
     gpu_memory_utilization: float = 0.85  # per engine; two engines on one GPU need <= 0.45 each
     enforce_eager: bool = False  # skip torch.compile and CUDA graphs: starts faster, runs slower
-    max_model_len: int = 2048
+    max_model_len: int = 2048  # prompt + completion tokens per sequence
     max_num_seqs: int = 1024  # sequences the scheduler runs at once
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    max_lora_rank: int = 16
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # engine weights
+    max_lora_rank: int = 16  # must be >= trainer.lora_rank
     max_loras: int = 0  # adapters resident on the GPU; 0 = max_staleness + 2
     seed: int = 0  # the engine's own seed (used when sampling.per_request_seed is off)
 
@@ -141,7 +141,7 @@ class SimulatedEngineConfig:
     latency_s: float = 0.0  # seconds per group
     concurrency: int = 0  # groups it works on at once; 0 = unlimited
     completion_tokens: int = 16  # tokens per completion
-    vocab_size: int = 128
+    vocab_size: int = 128  # synthetic token ids are drawn below this
 
     def __post_init__(self) -> None:
         _check(self.latency_s >= 0, "engine.simulated.latency_s", ">= 0", self.latency_s)
@@ -154,7 +154,7 @@ class SimulatedEngineConfig:
 class EngineConfig:
     """Which engines generate, and where."""
 
-    kind: Literal["transformers", "vllm", "simulated"] = "transformers"
+    kind: Literal["transformers", "vllm", "simulated"] = "transformers"  # which engine generates
     devices: tuple[str, ...] = ("cpu",)  # one engine per entry; repeat a GPU to put two engines on it
     request_timeout_s: float = 600.0  # a group that takes longer counts as failed
     transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
@@ -179,16 +179,17 @@ class TrainerConfig:
     kind: Literal["peft", "simulated"] = "peft"  # simulated: a trainer that only waits (benchmarks)
     device: str = "cpu"  # "cpu" or "cuda:N"
     lr: float = 1e-2  # for the CPU demo's tiny random model; real models want ~1e-5 to 1e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, ...] = (0.9, 0.99)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    betas: tuple[float, ...] = (0.9, 0.99)  # AdamW betas
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
+    lora_rank: int = 8  # LoRA r
+    lora_alpha: float = 16.0  # LoRA scale is alpha / r
+    lora_dropout: float = 0.0  # dropout on the LoRA path while training
     target_modules: tuple[str, ...] = ("all-linear",)  # module names, or "all-linear"
     micro_batch_sequences: int = 64  # sequences per forward/backward (gradient accumulation)
     dtype: Literal["float32", "bfloat16"] = "float32"  # base weights; LoRA weights are always float32
     step_s: float = 0.0  # simulated trainer only: seconds per step
+    separate_process: bool = False  # train in a child process, so steps never hold the event loop's GIL
 
     def __post_init__(self) -> None:
         _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
@@ -277,7 +278,7 @@ class LogConfig:
 class RunConfig:
     """A whole run."""
 
-    seed: int = 0
+    seed: int = 0  # seeds prompts order, engines, trainer init and the built-in model
     out: str = ""  # run directory; "" = runs/<timestamp>
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -298,6 +299,9 @@ class RunConfig:
                 "the policy's own); use temperature = 1, top_p = 1, top_k = 0, min_p = 0 and no penalties, "
                 'or set loss.correction = "none"'
             )
+        if self.engine.kind == "vllm" and self.engine.vllm.max_lora_rank < self.trainer.lora_rank:
+            raise ConfigError(f"engine.vllm.max_lora_rank ({self.engine.vllm.max_lora_rank}) must be >= "
+                              f"trainer.lora_rank ({self.trainer.lora_rank}), or vLLM cannot load the adapters")
         if self.engine.kind == "transformers" and (
             self.sampling.repetition_penalty != 1.0
             or self.sampling.presence_penalty != 0.0
@@ -454,3 +458,37 @@ def dump_toml(cfg: Any) -> str:
 
     emit(cfg, "")
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def reference_markdown() -> str:
+    """The config reference (README): every section and key with its default and comment."""
+    import inspect
+    import re
+
+    lines: list[str] = []
+
+    def section(cls: type, prefix: str) -> None:
+        src = inspect.getsource(cls)
+        comments = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^=]+=.*?#\s*(.*)$", src, re.M)}
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        rows = []
+        nested = []
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if dataclasses.is_dataclass(default):
+                nested.append((f.name, type(default)))
+                continue
+            rows.append(f"| `{f.name}` | `{_toml_value(default)}` | {comments.get(f.name, '')} |")
+        if rows:
+            lines.append(f"\n**[{prefix}]** {doc}\n" if prefix else f"\n**top level** {doc}\n")
+            lines.append("| key | default | meaning |\n| --- | --- | --- |")
+            lines.extend(rows)
+        for name, sub in nested:
+            section(sub, f"{prefix}.{name}" if prefix else name)
+
+    section(RunConfig, "")
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

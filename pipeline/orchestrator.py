@@ -146,6 +146,8 @@ class Pipeline:
         self.metrics: MetricsWriter | None = None
         self.lag = LoopLagMonitor()
         self.buffer: RolloutBuffer | None = None  # None until set-up has finished
+        self.trainer: Any = None
+        self._threads_before: int | None = None  # torch threads to restore at the end
         self._t_start = time.monotonic()
         error: BaseException | None = None
         try:
@@ -195,6 +197,12 @@ class Pipeline:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
 
         self._share_cpu()
+        if any(d.startswith("cuda") for d in (*cfg.engine.devices, cfg.trainer.device)):
+            import torch
+
+            # Initialise CUDA here, seeing every GPU, before a vLLM engine narrows CUDA_VISIBLE_DEVICES
+            # to its own GPU while it starts; the trainer loads in a thread meanwhile.
+            torch.cuda.init()
         # engines and trainer (started concurrently: both are slow)
         self.engines = self._user_engines or self._build_engines()
         if self._user_engines is None:
@@ -209,6 +217,7 @@ class Pipeline:
         self._published = asyncio.Event()
         self._publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
+        self._busy0: dict[str, float] = {}
         self._live: dict[int, tuple[Prompt, int, float]] = {}
         self._training: list[RolloutGroup] = []
         self._engine_load: dict[str, int] = {e.name: 0 for e in self.engines}
@@ -228,11 +237,12 @@ class Pipeline:
         """
         cfg = self.config
         if cfg.trainer.device == "cpu" and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \
-                and "cpu" in cfg.engine.devices:
+                and "cpu" in cfg.engine.devices and cfg.pipeline.max_staleness > 0:
             import os
 
             import torch
 
+            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
 
     def _build_model(self) -> Path:
@@ -282,8 +292,10 @@ class Pipeline:
 
             return SimulatedTrainer(cfg.trainer.step_s)
         from pipeline.trainer import LoRATrainer
+        from pipeline.trainer_process import ProcessTrainer
 
-        return LoRATrainer(self.model_path, cfg.trainer, cfg.loss, seed=cfg.seed,
+        cls = ProcessTrainer if cfg.trainer.separate_process else LoRATrainer
+        return cls(self.model_path, cfg.trainer, cfg.loss, seed=cfg.seed,
                            trust_remote_code=cfg.model.trust_remote_code,
                            keep_versions=cfg.pipeline.max_staleness + 2)
 
@@ -306,8 +318,11 @@ class Pipeline:
     async def _main(self) -> None:
         self.lag.start()
         self._t_start = time.monotonic()
+        # engines may have served earlier runs: this run's busy time counts from here
+        self._busy0 = {e.name: e.busy.busy_total() for e in self.engines}
         self._spawn(self._admission_loop(), "admission-loop")
         self._spawn(self._adapter_loop(), "adapter-loop")
+        self._spawn(self._flush_loop(), "rollout-log-flush-loop")
         train = self._spawn(self._train_loop(), "train-loop")
         done, _ = await asyncio.wait({train, self._failure}, return_when=asyncio.FIRST_COMPLETED)
         if self._failure.done():
@@ -375,7 +390,8 @@ class Pipeline:
         self._engine_load[engine.name] += 1
         gen: Generation | None = None
         try:
-            gen = await asyncio.wait_for(engine.generate(request, adapter), cfg.engine.request_timeout_s)
+            async with asyncio.timeout(cfg.engine.request_timeout_s):
+                gen = await engine.generate(request, adapter)
         except FatalError:
             raise
         except (RecoverableError, asyncio.TimeoutError, RuntimeError, ValueError, OSError) as e:
@@ -478,7 +494,6 @@ class Pipeline:
     async def _train_steps(self, bar: Any) -> None:
         pc = self.config.pipeline
         version = 0
-        last_flush = time.monotonic()
         for step in range(1, pc.steps + 1):
             t_wait = time.monotonic()
             sel = await self.buffer.get_batch(version)
@@ -506,9 +521,6 @@ class Pipeline:
             self._training = []
             for g in batch.groups:
                 self._record(g.group_id, "trained", "", step, g.generation, g.rewards)
-            if time.monotonic() - last_flush > 1.0 or step == pc.steps:
-                await asyncio.to_thread(self.rollout_log.flush)
-                last_flush = time.monotonic()
             version = stats.version
             row = self._step_row(batch, stats.metrics, check, wait_s, publish_s, ref)
             self.metrics.write(row)
@@ -519,6 +531,17 @@ class Pipeline:
                       train_s=round(stats.t_end - stats.t_start, 3))
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=row["staleness_max"], refresh=False)
+
+    async def _flush_loop(self) -> None:
+        """Consumes the RolloutLog's pending rows; writes them to zarr in a thread about once a second.
+
+        Off the train loop: a flush costs tens of milliseconds whatever its size, and a trainer
+        that waited for it would idle that long every time.
+        """
+        while True:
+            await asyncio.sleep(1.0)
+            if self.rollout_log.pending:
+                await asyncio.to_thread(self.rollout_log.flush)
 
     async def _logprob_check(self, batch: Batch) -> dict[str, float]:
         """Recompute the trainer's log-probs of a few groups (under their own versions) against the engine's."""
@@ -566,7 +589,7 @@ class Pipeline:
             "adapter/publish_to_loaded_s": self.publish_to_loaded.get(ref.version - 1, float("nan")),
             "busy/generator": self._generator_busy() / max(wall, 1e-9),
             "busy/trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
-            "loop/lag_p99_ms": self.lag.percentile_ms(99),
+            "loop/lag_p99_ms": self.lag.percentile_ms(99, last=2000),
         }
         row.update(train)
         row.update(check)
@@ -574,7 +597,7 @@ class Pipeline:
 
     def _generator_busy(self) -> float:
         """Busy seconds of the generation tier: mean over engines of each engine's own busy time."""
-        return float(np.mean([e.busy.busy_total() for e in self.engines]))
+        return float(np.mean([e.busy.busy_total() - self._busy0.get(e.name, 0.0) for e in self.engines]))
 
     # ================================================================== shutdown
 
@@ -601,6 +624,20 @@ class Pipeline:
                 self.buffer.settle_in_flight(gid, "shutdown")
                 self._record(gid, "dropped", "shutdown", -1, None, None)
         await self.lag.stop()
+        if self._user_engines and self.buffer is not None:
+            # leave a caller's engine as it was found: without this run's adapters
+            for ref in [r for v, r in self._adapters.items() if v > 0]:
+                results = await asyncio.gather(*(e.unload_adapter(ref) for e in self._user_engines),
+                                               return_exceptions=True)
+                for e, r in zip(self._user_engines, results):
+                    if isinstance(r, Exception):
+                        log.warning("adapter_unload_failed", engine=e.name, adapter=ref.name, error=repr(r))
+        if self._threads_before is not None:
+            import torch
+
+            torch.set_num_threads(self._threads_before)
+        if self._user_trainer is None and self.trainer is not None:
+            await asyncio.to_thread(self.trainer.close)
         if self._built_engines:
             results = await asyncio.gather(*(asyncio.wait_for(e.close(), timeout) for e in self._built_engines),
                                            return_exceptions=True)

@@ -213,6 +213,9 @@ class LoRATrainer:
         assert self.model is not None, "call setup() first"
         self.model.save_pretrained(str(directory), safe_serialization=True)
 
+    def close(self) -> None:
+        """Nothing to release beyond memory (the process-based trainer stops its child here)."""
+
 
 class SimulatedTrainer:
     """A trainer that only waits `step_s` per step: for benchmarks of the orchestration itself."""
@@ -237,6 +240,9 @@ class SimulatedTrainer:
 
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
         return [[c.logprobs for c in g.completions] for g in groups]
+
+    def close(self) -> None:
+        return None
 
     def save_adapter(self, directory: Path) -> None:
         """A minimal valid adapter directory, so the store and engines exercise the real path."""
