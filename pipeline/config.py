@@ -142,8 +142,12 @@ class SimulatedEngineConfig:
     concurrency: int = 0  # groups it works on at once; 0 = unlimited
     completion_tokens: int = 16  # tokens per completion
     vocab_size: int = 128  # synthetic token ids are drawn below this
+    fail_rate: float = 0.0  # fault injection: share of generate calls that raise
+    hang_rate: float = 0.0  # fault injection: share of generate calls that never return
 
     def __post_init__(self) -> None:
+        _check(0 <= self.fail_rate <= 1, "engine.simulated.fail_rate", "in [0, 1]", self.fail_rate)
+        _check(0 <= self.hang_rate <= 1, "engine.simulated.hang_rate", "in [0, 1]", self.hang_rate)
         _check(self.latency_s >= 0, "engine.simulated.latency_s", ">= 0", self.latency_s)
         _check(self.concurrency >= 0, "engine.simulated.concurrency", ">= 0 (0 = unlimited)", self.concurrency)
         _check(self.completion_tokens >= 1, "engine.simulated.completion_tokens", ">= 1", self.completion_tokens)
@@ -156,7 +160,12 @@ class EngineConfig:
 
     kind: Literal["transformers", "vllm", "simulated"] = "transformers"  # which engine generates
     devices: tuple[str, ...] = ("cpu",)  # one engine per entry; repeat a GPU to put two engines on it
-    request_timeout_s: float = 600.0  # a group that takes longer counts as failed
+    request_timeout_s: float = 600.0  # a generate call that takes longer is cancelled and retried
+    retries: int = 2  # a generate call that raises or times out is retried this many times, then failed
+    retry_backoff_s: float = 0.5  # wait before retry r: retry_backoff_s * 2**r
+    max_consecutive_errors: int = 5  # an engine whose calls fail this many times in a row is taken out
+    start_timeout_s: float = 900.0  # an engine that has not started by then is an error
+    load_timeout_s: float = 120.0  # an adapter load that takes longer is an error
     transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
     vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
     simulated: SimulatedEngineConfig = field(default_factory=SimulatedEngineConfig)
@@ -167,6 +176,11 @@ class EngineConfig:
             _check(d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()), "engine.devices",
                    'a list of "cpu" or "cuda:N"', d)
         _check(self.request_timeout_s > 0, "engine.request_timeout_s", "> 0", self.request_timeout_s)
+        _check(self.retries >= 0, "engine.retries", ">= 0", self.retries)
+        _check(self.retry_backoff_s >= 0, "engine.retry_backoff_s", ">= 0", self.retry_backoff_s)
+        _check(self.max_consecutive_errors >= 1, "engine.max_consecutive_errors", ">= 1", self.max_consecutive_errors)
+        _check(self.start_timeout_s > 0, "engine.start_timeout_s", "> 0", self.start_timeout_s)
+        _check(self.load_timeout_s > 0, "engine.load_timeout_s", "> 0", self.load_timeout_s)
         if self.kind == "vllm":
             for d in self.devices:
                 _check(d.startswith("cuda:"), "engine.devices", 'GPUs ("cuda:N") for the vLLM engine', d)
@@ -190,6 +204,8 @@ class TrainerConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # base weights; LoRA weights are always float32
     step_s: float = 0.0  # simulated trainer only: seconds per step
     separate_process: bool = False  # train in a child process, so steps never hold the event loop's GIL
+    max_consecutive_skips: int = 3  # this many non-finite steps in a row stop the run (after a checkpoint)
+    step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
 
     def __post_init__(self) -> None:
         _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
@@ -205,6 +221,8 @@ class TrainerConfig:
         _check(len(self.target_modules) >= 1, "trainer.target_modules", "a non-empty list", self.target_modules)
         _check(self.micro_batch_sequences >= 1, "trainer.micro_batch_sequences", ">= 1", self.micro_batch_sequences)
         _check(self.step_s >= 0, "trainer.step_s", ">= 0", self.step_s)
+        _check(self.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", ">= 1", self.max_consecutive_skips)
+        _check(self.step_timeout_s > 0, "trainer.step_timeout_s", "> 0", self.step_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -238,6 +256,8 @@ class PipelineConfig:
     logprob_check_groups: int = 2  # groups recomputed per check
     logprob_warn_mean_abs: float = 0.1  # warn when mean |engine - trainer| log-prob exceeds this
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for tasks before giving up
+    checkpoint_every: int = 10  # steps between checkpoints (also one at the end and on SIGINT/SIGTERM); 0 = those only
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "pipeline.steps", ">= 1", self.steps)
@@ -249,6 +269,8 @@ class PipelineConfig:
         _check(self.logprob_check_every >= 0, "pipeline.logprob_check_every", ">= 0", self.logprob_check_every)
         _check(self.logprob_check_groups >= 0, "pipeline.logprob_check_groups", ">= 0", self.logprob_check_groups)
         _check(self.shutdown_timeout_s > 0, "pipeline.shutdown_timeout_s", "> 0", self.shutdown_timeout_s)
+        _check(self.checkpoint_every >= 0, "pipeline.checkpoint_every", ">= 0", self.checkpoint_every)
+        _check(self.keep_checkpoints >= 1, "pipeline.keep_checkpoints", ">= 1", self.keep_checkpoints)
 
     @property
     def capacity(self) -> int:

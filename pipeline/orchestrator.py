@@ -75,7 +75,7 @@ class Pipeline:
                  reward: RewardFn | Sequence[RewardFn] | None = None, reward_weights: Sequence[float] | None = None,
                  engines: Sequence[Engine] | None = None, trainer: Any | None = None,
                  tokenizer: Any | None = None, run_dir: str | Path | None = None, epochs: int | None = None,
-                 console: bool = True) -> None:
+                 console: bool = True, resume: bool = False, handle_signals: bool = False) -> None:
         self.config = config or RunConfig()
         cfg = self.config
         if (prompts is None) != (reward is None):
@@ -88,6 +88,8 @@ class Pipeline:
         self._tokenizer = tokenizer
         self._epochs = epochs
         self._console = console
+        self._resume = resume  # continue the run in run_dir from its newest checkpoint
+        self._handle_signals = handle_signals  # SIGINT/SIGTERM: checkpoint and stop; a second one exits at once
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         self.run_dir = Path(run_dir or cfg.out or f"runs/{stamp}")
         self.summary: dict[str, Any] = {}
