@@ -5,6 +5,9 @@ Invariants:
   out of range with a message naming the field and what is allowed.
 - Loading refuses unknown keys and wrong types (a `ConfigError` naming the dotted key), so a
   typo never silently falls back to a default.
+- Every bad input (a broken or unreadable file, a wrong type, a value out of range, an unknown
+  key, a bad `--set`) raises `ConfigError` and nothing else; its one-line message names the
+  dotted key (or the file) and what is allowed.
 - `dump_toml(load_config(x))` loads back to an equal config: the resolved config written to
   the run directory repeats the run exactly.
 """
@@ -13,6 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
+import reprlib
 import tomllib
 import types
 import typing
@@ -23,9 +29,36 @@ from typing import Any, Literal
 from pipeline.errors import ConfigError
 
 
+# TOML integers are 64-bit; larger ones would overflow torch, numpy and vLLM far from the config.
+_INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
+# Seeds reach numpy (which wants [0, 2**32)) after engines add their index, so leave headroom.
+_SEED_MAX = 2**31 - 1
+_DEVICE = re.compile(r"cpu|cuda:[0-9]{1,3}")  # ASCII digits only: int() and torch read nothing else
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = _repr.maxlong = 80  # a huge or deeply nested value stays one short line
+_repr.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    return _repr.repr(value)
+
+
 def _check(ok: bool, key: str, allowed: str, value: Any) -> None:
     if not ok:
-        raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+        raise ConfigError(f"{key} must be {allowed}, got {_show(value)}")
+
+
+def _check_device(key: str, value: str) -> None:
+    _check(_DEVICE.fullmatch(value) is not None, key, '"cpu" or "cuda:N"', value)
+
+
+def _check_path(key: str, value: str) -> None:
+    _check("\x00" not in value, key, "a path without NUL characters", value)
+
+
+def _check_seed(key: str, value: int) -> None:
+    _check(0 <= value <= _SEED_MAX, key, f"in [0, {_SEED_MAX}]", value)
 
 
 @dataclass(frozen=True)
@@ -39,8 +72,15 @@ class ModelConfig:
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
 
     def __post_init__(self) -> None:
-        if self.path:
-            _check(Path(self.path).is_dir(), "model.path", "an existing model directory", self.path)
+        _check_path("model.path", self.path)
+        _check_path("model.cache_dir", self.cache_dir)
+        # os.path.isdir never raises (a too-long or unreadable path is simply not a directory)
+        if self.path and not os.path.isdir(self.path):
+            what = "is not a directory" if os.path.exists(self.path) else "does not exist"
+            raise ConfigError(f"model.path must be an existing model directory; {_show(self.path)} {what}")
+        if self.path and not os.path.isfile(os.path.join(self.path, "config.json")):
+            raise ConfigError(f"model.path must be a transformers model directory; {_show(self.path)} "
+                              "has no config.json")
 
 
 @dataclass(frozen=True)
@@ -53,6 +93,7 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "task.num_prompts", ">= 1", self.num_prompts)
+        _check_seed("task.seed", self.seed)
 
 
 @dataclass(frozen=True)
@@ -132,6 +173,7 @@ class VLLMEngineConfig:
         _check(self.max_lora_rank in (8, 16, 32, 64, 128, 256, 320, 512), "engine.vllm.max_lora_rank",
                "one of 8, 16, 32, 64, 128, 256, 320, 512 (vLLM's choices)", self.max_lora_rank)
         _check(self.max_loras >= 0, "engine.vllm.max_loras", ">= 0", self.max_loras)
+        _check_seed("engine.vllm.seed", self.seed)
 
 
 @dataclass(frozen=True)
@@ -172,9 +214,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(len(self.devices) >= 1, "engine.devices", "a non-empty list like [\"cuda:0\"]", self.devices)
-        for d in self.devices:
-            _check(d == "cpu" or (d.startswith("cuda:") and d[5:].isdigit()), "engine.devices",
-                   'a list of "cpu" or "cuda:N"', d)
+        for i, d in enumerate(self.devices):
+            _check_device(f"engine.devices[{i}]", d)
         _check(self.request_timeout_s > 0, "engine.request_timeout_s", "> 0", self.request_timeout_s)
         _check(self.retries >= 0, "engine.retries", ">= 0", self.retries)
         _check(self.retry_backoff_s >= 0, "engine.retry_backoff_s", ">= 0", self.retry_backoff_s)
@@ -182,8 +223,8 @@ class EngineConfig:
         _check(self.start_timeout_s > 0, "engine.start_timeout_s", "> 0", self.start_timeout_s)
         _check(self.load_timeout_s > 0, "engine.load_timeout_s", "> 0", self.load_timeout_s)
         if self.kind == "vllm":
-            for d in self.devices:
-                _check(d.startswith("cuda:"), "engine.devices", 'GPUs ("cuda:N") for the vLLM engine', d)
+            for i, d in enumerate(self.devices):
+                _check(d.startswith("cuda:"), f"engine.devices[{i}]", 'a GPU ("cuda:N") for the vLLM engine', d)
 
 
 @dataclass(frozen=True)
@@ -208,8 +249,7 @@ class TrainerConfig:
     step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
 
     def __post_init__(self) -> None:
-        _check(self.device == "cpu" or (self.device.startswith("cuda:") and self.device[5:].isdigit()),
-               "trainer.device", '"cpu" or "cuda:N"', self.device)
+        _check_device("trainer.device", self.device)
         _check(self.lr >= 0 and math.isfinite(self.lr), "trainer.lr", ">= 0", self.lr)
         _check(self.weight_decay >= 0, "trainer.weight_decay", ">= 0", self.weight_decay)
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
@@ -218,7 +258,8 @@ class TrainerConfig:
         _check(self.lora_rank >= 1, "trainer.lora_rank", ">= 1", self.lora_rank)
         _check(self.lora_alpha > 0, "trainer.lora_alpha", "> 0", self.lora_alpha)
         _check(0 <= self.lora_dropout < 1, "trainer.lora_dropout", "in [0, 1)", self.lora_dropout)
-        _check(len(self.target_modules) >= 1, "trainer.target_modules", "a non-empty list", self.target_modules)
+        _check(len(self.target_modules) >= 1 and all(self.target_modules), "trainer.target_modules",
+               "a non-empty list of module names", self.target_modules)
         _check(self.micro_batch_sequences >= 1, "trainer.micro_batch_sequences", ">= 1", self.micro_batch_sequences)
         _check(self.step_s >= 0, "trainer.step_s", ">= 0", self.step_s)
         _check(self.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", ">= 1", self.max_consecutive_skips)
@@ -285,6 +326,7 @@ class StoreConfig:
     keep_last: int = 2  # versions kept beyond those engines may still use; 0 = none
 
     def __post_init__(self) -> None:
+        _check_path("store.root", self.root)
         _check(self.keep_last >= 0, "store.keep_last", ">= 0", self.keep_last)
 
 
@@ -313,6 +355,8 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        _check_seed("seed", self.seed)
+        _check_path("out", self.out)
         bad = self.sampling.off_policy_settings()
         if self.loss.correction != "none" and bad:
             raise ConfigError(
@@ -341,10 +385,12 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin is tuple:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        elem = typing.get_args(tp)[0]
+        plural = {int: "integers", float: "finite numbers", bool: "booleans", str: "strings"}
+        return f"a list of {plural.get(elem) or _type_name(elem)}"
     if dataclasses.is_dataclass(tp):
         return "a table"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    return {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}.get(tp, str(tp))
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -360,7 +406,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 continue
             try:
                 return _coerce(arg, value, key)
-            except ConfigError:
+            except ConfigError:  # try the union's next type; the last refusal below names them all
                 pass
     elif origin is tuple:
         if isinstance(value, (list, tuple)):
@@ -374,15 +420,24 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            _check(_INT_MIN <= value <= _INT_MAX, key, "a 64-bit integer (TOML's range)", value)
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if math.isfinite(value):
-                return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer beyond float range: refused below like inf
+                number = math.inf
+            if math.isfinite(number):
+                return number
     elif tp is str:
         if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate could be neither logged nor written back
+                raise ConfigError(f"{key} must be UTF-8 text, got {_show(value)}") from None
             return value
-    raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}")
+    raise ConfigError(f"{key} must be {_type_name(tp)}, got {_show(value)}")
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
@@ -390,9 +445,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for k, v in data.items():
-        key = f"{prefix}.{k}" if prefix else k
+        key = f"{prefix}.{k}" if prefix else str(k)
         if k not in hints:
-            raise ConfigError(f"unknown key {key!r}; allowed here: {', '.join(names)}")
+            raise ConfigError(f"unknown key {_show(key)}; allowed here: {', '.join(names)}")
         kwargs[k] = _coerce(hints[k], v, key)
     try:
         return cls(**kwargs)
@@ -407,46 +462,100 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, data)
 
 
+def _parse_toml(text: str, where: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{where} is not valid TOML: {e}") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(f"{where} nests arrays or tables too deeply to be a config") from None
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse `section.key=VALUE` (VALUE in TOML syntax; a bare word is a string)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value")
+        raise ConfigError(f"override {_show(text)} must look like section.key=value")
     key, raw = text.split("=", 1)
-    key = key.strip()
+    key, raw = key.strip(), raw.strip()
     if not key or any(not part.isidentifier() for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: {key!r} is not a dotted key like trainer.lr")
+        raise ConfigError(f"override {_show(text)}: {_show(key)} is not a dotted key like trainer.lr")
+    if "\n" in raw or "\r" in raw:
+        raise ConfigError(f"override {key}: the value must be on one line, got {_show(raw)}")
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:  # not a TOML value: a bare word, taken as the string it reads
+        value = raw
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(f"override {key}: the value nests too deeply, got {_show(raw)}") from None
     return key.split("."), value
+
+
+def _merge(old: Any, new: Any) -> Any:
+    """A table given to an override updates the table it replaces, key by key."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {**old, **{k: _merge(old.get(k), v) for k, v in new.items()}}
+    return new
+
+
+def _apply_override(data: dict[str, Any], parts: list[str], value: Any) -> None:
+    """Set data[parts[0]][parts[1]]... = value, refusing a path the schema does not have."""
+    cls: Any = RunConfig
+    node = data
+    dotted = ".".join(str(p) for p in parts)
+    if not parts:
+        raise ConfigError("override with an empty key; use section.key=value")
+    for i, part in enumerate(parts):
+        here = ".".join(str(p) for p in parts[: i + 1])
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            names = ", ".join(f.name for f in dataclasses.fields(cls))
+            raise ConfigError(f"override {dotted}: unknown key {_show(here)}; allowed here: {names}")
+        if i == len(parts) - 1:
+            node[part] = _merge(node.get(part), value)
+            return
+        cls = hints[part]
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"override {dotted}: {here} is a value ({_type_name(cls)}), not a section")
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{here} must be a table, got {_show(nxt)}")
+        node = nxt
+
+
+def _read_config_file(path: str | Path) -> dict[str, Any]:
+    name = _show(str(path))
+    # os.path's tests never raise: an unreadable or malformed path is simply "not there"
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {name} is a directory, not a TOML file")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {name} does not exist")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {name} is not a regular file")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {name} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8-sig")  # TOML is UTF-8; tolerate the BOM some editors write
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {name} is not UTF-8 text (bad byte at offset {e.start})") from None
+    return _parse_toml(text, f"config file {name}")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None) -> RunConfig:
     """Read a TOML file (or nothing: all defaults), apply `section.key=value` overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    data = _read_config_file(path) if path is not None else {}
     items = overrides.items() if isinstance(overrides, dict) else [parse_override(o) for o in overrides or []]
     for key, value in items:
-        parts = key.split(".") if isinstance(key, str) else key
-        node = data
-        for part in parts[:-1]:
-            nxt = node.setdefault(part, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {'.'.join(parts)}: {part!r} is a value, not a section")
-            node = nxt
-        node[parts[-1]] = value
+        _apply_override(data, key.split(".") if isinstance(key, str) else list(key), value)
     return config_from_dict(data)
 
 
 # --------------------------------------------------------------------------- writing
+
+
+# TOML basic strings allow no raw control character but tab; the rest are written as \uXXXX
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _toml_value(v: Any) -> str:
@@ -455,7 +564,8 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return '"' + "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c)
+                             for c in v) + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} as TOML")
