@@ -21,6 +21,14 @@ Invariants:
   at publish and at load.
 - A deletion renames the version directory to `.tmp-del-*` before removing it, so a reader
   never sees a partially deleted version.
+- A publish that fails (disk full, permission denied, ...) leaves no version directory and no
+  temporary one behind, does not use up its version, and raises a StoreError naming the
+  version, the root, the errno and what to do.
+- No path outside a version directory is ever read: manifest file names are plain names (no
+  `/`, `..`, NUL), version directories and adapter files that are symbolic links are refused,
+  and files are opened with O_NOFOLLOW.
+- A version directory that vanishes while it is being read (pruned, discarded) is
+  AdapterNotFoundError; one whose files differ from its manifest is AdapterCorruptError.
 - One publisher per root (the trainer). Engines on other processes or hosts open the same root
   with `readonly=True`: they never create, clean or delete anything there.
 """
@@ -28,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import os
@@ -42,6 +51,7 @@ from typing import Any, Callable, Mapping
 import structlog
 
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, StoreError
+from pipeline.faults import crash_point
 from pipeline.types import AdapterRef
 
 log = structlog.get_logger(__name__)
@@ -62,7 +72,8 @@ def _dir_name(version: int, content_sha256: str) -> str:
 
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    # O_NOFOLLOW: a file swapped for a symlink after it was checked still cannot be read through
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -93,6 +104,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _errno_text(e: OSError) -> str:
+    """`ENOSPC (No space left on device: '/path')`: the errno name first, so logs can be grepped."""
+    if e.errno is None:
+        return f"{type(e).__name__}: {e}"
+    name = errno.errorcode.get(e.errno, f"errno {e.errno}")
+    where = f": {e.filename!r}" if e.filename is not None else ""
+    return f"{name} ({e.strerror or os.strerror(e.errno)}{where})"
+
+
+def _write_hint(e: OSError, root: Path) -> str:
+    """What an operator can do about a failed write under `root`."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on the filesystem of {root} (or raise the quota), then publish again"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"make {root} writable by this user (not a read-only mount), or choose another store root"
+    if e.errno == errno.ENOENT:
+        return f"check that {root} still exists and its filesystem is mounted"
+    return f"check the filesystem of {root} (mounted, healthy, writable)"
+
+
 def _is_pickle(name: str) -> bool:
     return name.lower().endswith(PICKLE_SUFFIXES)
 
@@ -118,7 +149,10 @@ class AdapterStore:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         if poll_interval <= 0:
             raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
-        self.root = Path(root).resolve()
+        try:
+            self.root = Path(root).resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError before 3.13, OSError since
+            raise StoreError(f"adapter store root {root} cannot be resolved: {e}") from e
         self.base_model = base_model
         self.keep_last = keep_last
         self.poll_interval = poll_interval
@@ -142,7 +176,8 @@ class AdapterStore:
             probe.rmdir()
             leftovers = [self.root / n for n in os.listdir(self.root) if n.startswith(TMP_PREFIX)]
         except OSError as e:
-            raise StoreError(f"adapter store root {self.root} cannot be created or written: {e}") from e
+            raise StoreError(f"adapter store root {self.root} cannot be created or written: {_errno_text(e)}; "
+                             f"{_write_hint(e, self.root)}") from e
         for path in leftovers:
             self._remove_tree(path)
             log.info("adapter_store_tmp_removed", path=str(path))
@@ -155,7 +190,7 @@ class AdapterStore:
             else:
                 path.unlink()
         except OSError as e:
-            raise StoreError(f"cannot remove {path}: {e}") from e
+            raise StoreError(f"cannot remove {path}: {_errno_text(e)}; {_write_hint(e, path.parent)}") from e
 
     # --- listing -------------------------------------------------------------------------
 
@@ -167,6 +202,9 @@ class AdapterStore:
                 entries = list(it)
         except FileNotFoundError:  # a readonly store may open before the publisher creates root
             return found
+        except OSError as e:
+            raise StoreError(f"cannot list the adapter store root {self.root}: {_errno_text(e)}; "
+                             f"make it readable by this user") from e
         for entry in entries:
             m = _NAME_RE.match(entry.name)
             if m and entry.is_dir(follow_symlinks=False):
@@ -183,8 +221,16 @@ class AdapterStore:
 
     def latest(self) -> AdapterRef | None:
         """The newest published version, from its manifest (no file hashing); None if none."""
-        published = self._published()
-        return self.ref(published[-1]) if published else None
+        for _ in range(3):
+            published = self._published()
+            if not published:
+                return None
+            try:
+                return self.ref(published[-1])
+            except AdapterNotFoundError:  # discarded between the listing and the read: list again
+                continue
+        raise AdapterNotFoundError(f"the newest version in {self.root} kept vanishing while it was read; "
+                                   f"is another process deleting versions?")
 
     def _find(self, version: int) -> Path:
         names = self._scan().get(version, [])
@@ -222,12 +268,17 @@ class AdapterStore:
         does not parse or does not match the directory name, a listed file that is missing or
         whose sha256 differs, and any unlisted safetensors or pickle file.
         """
-        p = Path(path).resolve()
+        given = Path(path)
+        # resolve the parent only: the version directory itself must not be a symlink, and
+        # resolving it would follow one out of the root
+        p = given.parent.resolve() / given.name
         m = _NAME_RE.match(p.name)
         if p.parent != self.root or m is None:
             raise AdapterError(f"{path} is not a version directory of the adapter store {self.root}")
-        if not p.is_dir():
-            raise AdapterNotFoundError(f"adapter {p.name}: directory {p} does not exist")
+        if p.is_symlink():
+            raise AdapterCorruptError(f"adapter {p.name}: {p} is a symbolic link; "
+                                      f"version directories are written by the store, never linked")
+        self._raise_if_vanished(p)
         manifest = self._read_manifest(p)
         theirs = manifest.get("base_model", "")
         if self.base_model and theirs and theirs != self.base_model:
@@ -236,16 +287,37 @@ class AdapterStore:
         files: dict[str, str] = manifest["files"]
         for name, expected in sorted(files.items()):
             fp = p / name
-            if fp.is_symlink() or not fp.is_file():
+            if fp.is_symlink():
+                raise AdapterCorruptError(f"adapter {p.name}: {name} is a symbolic link, not a file the store wrote")
+            try:
+                actual = _sha256_file(fp) if fp.is_file() else None
+            except FileNotFoundError:  # deleted between the check and the open: same as missing
+                actual = None
+            except OSError as e:
+                self._raise_if_vanished(p)
+                raise AdapterCorruptError(f"adapter {p.name}: cannot read {name}: {_errno_text(e)}") from e
+            if actual is None:
+                self._raise_if_vanished(p)
                 raise AdapterCorruptError(f"adapter {p.name}: {name} is listed in the manifest but is missing")
-            actual = _sha256_file(fp)
             if actual != expected:
                 raise AdapterCorruptError(
                     f"adapter {p.name}: {name} sha256 is {actual[:12]}.. but the manifest says {expected[:12]}..")
-        for name in sorted(os.listdir(p)):
+        try:
+            present = os.listdir(p)
+        except OSError as e:
+            self._raise_if_vanished(p)
+            raise AdapterCorruptError(f"adapter {p.name}: cannot list {p}: {_errno_text(e)}") from e
+        for name in sorted(present):
             if name not in files and (name.endswith(".safetensors") or _is_pickle(name)):
                 raise AdapterCorruptError(f"adapter {p.name}: {name} is not listed in the manifest")
         return AdapterRef(version=int(m.group(1)), name=p.name, path=str(p), sha256=manifest["content_sha256"])
+
+    @staticmethod
+    def _raise_if_vanished(path: Path) -> None:
+        """AdapterNotFoundError if the version directory is not there (e.g. pruned while being read)."""
+        if not path.is_dir():
+            raise AdapterNotFoundError(
+                f"adapter {path.name}: directory {path} does not exist (pruned or discarded?)")
 
     @staticmethod
     def _read_manifest(path: Path) -> dict[str, Any]:
@@ -257,9 +329,11 @@ class AdapterStore:
         try:
             raw = (path / MANIFEST).read_text()
         except FileNotFoundError as e:
+            AdapterStore._raise_if_vanished(path)
             raise AdapterCorruptError(f"adapter {name}: {MANIFEST} is missing") from e
         except OSError as e:
-            raise AdapterCorruptError(f"adapter {name}: cannot read {MANIFEST}: {e}") from e
+            AdapterStore._raise_if_vanished(path)
+            raise AdapterCorruptError(f"adapter {name}: cannot read {MANIFEST}: {_errno_text(e)}") from e
         try:
             manifest = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -279,7 +353,7 @@ class AdapterStore:
                 isinstance(k, str) and isinstance(v, str) and _HEX64_RE.match(v) for k, v in files.items()):
             raise bad("has no valid 'files' mapping of file name to sha256")
         for fname in files:
-            if fname in (MANIFEST, "", ".", "..") or "/" in fname or "\\" in fname:
+            if fname in (MANIFEST, "", ".", "..") or any(c in fname for c in "/\\\0"):
                 raise bad(f"lists an invalid file name {fname!r}")
         if CONFIG not in files or not any(f.endswith(".safetensors") for f in files):
             raise bad(f"must list {CONFIG} and at least one .safetensors file, lists {sorted(files)}")
@@ -312,28 +386,44 @@ class AdapterStore:
                 raise StoreError(f"cannot publish adapter version {version} to {self.root}: "
                                  f"version {newest} is already published and versions only increase")
             tmp = self.root / f"{TMP_PREFIX}v{version:06d}-{uuid.uuid4().hex}"
+            renamed = False
+            stage = "creating the temporary directory"
             try:
                 tmp.mkdir()
+                stage = "writing the adapter files"
                 write(tmp)
+                stage = "hashing the adapter files"
                 files = self._hash_new_files(tmp)
                 digest = content_hash(files)
                 manifest = {"format": MANIFEST_FORMAT, "version": version, "base_model": self.base_model,
                             "created": time.time(), "files": files, "content_sha256": digest}
+                stage = "writing the manifest"
                 with open(tmp / MANIFEST, "w") as f:
                     json.dump(manifest, f, indent=1, sort_keys=True)
                     f.flush()
                     os.fsync(f.fileno())
+                stage = "syncing the adapter files to disk"
                 for name in files:
                     _fsync_file(tmp / name)
                 _fsync_dir(tmp)
+                crash_point("publish.before_rename")
+                stage = "renaming the temporary directory into place"
                 final = self.root / _dir_name(version, digest)
                 os.rename(tmp, final)
+                renamed = True
+                stage = "syncing the store root to disk"
                 _fsync_dir(self.root)
+                crash_point("publish.after_rename")
             except BaseException as e:
-                # nothing half-written may stay behind, whatever went wrong (a KeyboardInterrupt too)
+                # nothing half-written may stay behind, whatever went wrong (a KeyboardInterrupt too);
+                # a renamed version whose rename may not be durable is taken back: it was not published
+                if renamed:
+                    self._take_back(final)
                 shutil.rmtree(tmp, ignore_errors=True)
                 if isinstance(e, OSError):
-                    raise StoreError(f"publishing adapter version {version} to {tmp} failed: {e}") from e
+                    raise StoreError(
+                        f"publishing adapter version {version} to {self.root} failed while {stage} "
+                        f"({tmp.name}): {_errno_text(e)}; nothing was published; {_write_hint(e, self.root)}") from e
                 raise
             with self._state_lock:
                 self._newest_published = version
@@ -347,6 +437,16 @@ class AdapterStore:
         log.info("adapter_published", version=version, name=final.name, seconds=round(time.monotonic() - t0, 4))
         return ref
 
+    def _take_back(self, final: Path) -> None:
+        """Remove a version directory whose publish failed after its rename (best effort)."""
+        doomed = self.root / f"{TMP_PREFIX}del-{final.name}-{uuid.uuid4().hex}"
+        try:
+            os.rename(final, doomed)
+        except OSError as e:  # the publish already failed and says so; this only adds the leftover
+            log.error("adapter_take_back_failed", path=str(final), error=_errno_text(e))
+            return
+        shutil.rmtree(doomed, ignore_errors=True)  # a leftover .tmp-* is never listed and goes on open
+
     @staticmethod
     def _hash_new_files(tmp: Path) -> dict[str, str]:
         """Check what `write` produced and hash it: name -> sha256 of every file."""
@@ -355,6 +455,8 @@ class AdapterStore:
             fp = tmp / name
             if fp.is_symlink() or not fp.is_file():
                 raise StoreError(f"adapter files must be plain files at the top level of {tmp}; {name} is not")
+            if "\\" in name:  # the manifest refuses it on read, so it must not be published
+                raise StoreError(f"adapter file name {name!r} in {tmp} contains a backslash")
         pickles = [n for n in names if _is_pickle(n)]
         if pickles:
             raise StoreError(f"refusing to publish pickle files {pickles} in {tmp}: adapters are read only "
@@ -442,14 +544,43 @@ class AdapterStore:
             for version in sorted(found):
                 if version >= keep_from or version in newest or version in pinned:
                     continue
-                for name in found[version]:
-                    doomed = self.root / f"{TMP_PREFIX}del-{name}-{uuid.uuid4().hex}"
-                    try:
-                        os.rename(self.root / name, doomed)
-                    except OSError as e:
-                        raise StoreError(f"cannot delete adapter {self.root / name}: {e}") from e
-                    self._remove_tree(doomed)
+                self._delete_version(found[version])
                 deleted.append(version)
         if deleted:
             log.info("adapter_pruned", versions=deleted, keep_from=keep_from)
         return deleted
+
+    def discard_after(self, version: int) -> list[int]:
+        """Delete every version directory newer than `version`, so `version + 1` can be published again.
+
+        For resuming: the trainer restarts from a checkpoint at `version`, and the versions it
+        published after that checkpoint belong to a history that no longer exists. Pins do not
+        protect them. Directories go newest first, each renamed away before it is removed, so a
+        failure part way leaves versions 1..k for some k and a StoreError; calling again finishes.
+        Returns the discarded versions, ascending.
+        """
+        if self.readonly:
+            raise StoreError(f"adapter store {self.root} was opened readonly; it cannot discard versions")
+        _check_lookup_version(version)
+        with self._write_lock:
+            found = self._scan()
+            doomed = sorted((v for v in found if v > version), reverse=True)
+            for v in doomed:
+                self._delete_version(found[v])
+            with self._state_lock:
+                # lowered only once all are gone: after a failure the survivors still block reuse
+                self._newest_published = min(self._newest_published, version)
+        if doomed:
+            log.info("adapter_discarded", versions=sorted(doomed), after=version)
+        return sorted(doomed)
+
+    def _delete_version(self, names: list[str]) -> None:
+        """Rename each directory to `.tmp-del-*` (readers never see half of it), then remove it."""
+        for name in names:
+            doomed = self.root / f"{TMP_PREFIX}del-{name}-{uuid.uuid4().hex}"
+            try:
+                os.rename(self.root / name, doomed)
+            except OSError as e:
+                raise StoreError(f"cannot delete adapter {self.root / name}: {_errno_text(e)}; "
+                                 f"{_write_hint(e, self.root)}") from e
+            self._remove_tree(doomed)

@@ -135,7 +135,7 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in a model directory (offline)."""
     _check_model_dir(path)
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)  # tokenizers built offline here
 
 
 # --------------------------------------------------------------------------- models

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from pipeline import adapter_store
 from pipeline.adapter_store import AdapterStore, content_hash
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, StoreError
 from pipeline.types import AdapterRef
@@ -226,6 +227,14 @@ def edit_manifest(d: Path, **changes: object) -> None:
     (d / "manifest.json").write_text(json.dumps(m))
 
 
+def symlink_to_identical_copy(d: Path) -> None:
+    """Same bytes, but read through a link to a file outside the version directory."""
+    outside = d.parent.parent / "outside.safetensors"
+    outside.write_bytes((d / "adapter_model.safetensors").read_bytes())
+    (d / "adapter_model.safetensors").unlink()
+    (d / "adapter_model.safetensors").symlink_to(outside)
+
+
 def rehash_one_file(d: Path) -> None:
     """Change a file and its manifest entry consistently: only the content hash can tell."""
     flip_byte(d)
@@ -245,6 +254,12 @@ def rehash_one_file(d: Path) -> None:
     (lambda d: edit_manifest(d, files={"adapter_config.json": "0" * 64, "../x.safetensors": "0" * 64}),
      r"invalid file name '\.\./x\.safetensors'"),
     (rehash_one_file, r"content_sha256 is [0-9a-f]{12}\.\. but its file hashes give"),
+    (lambda d: (d / "optimizer.pt").write_bytes(b"pickle"), r"optimizer\.pt is not listed"),
+    (lambda d: edit_manifest(d, files={"adapter_config.json": "0" * 64, "a\0.safetensors": "0" * 64}),
+     r"invalid file name 'a\\x00\.safetensors'"),
+    (lambda d: (d / "adapter_model.safetensors").unlink() or (d / "adapter_model.safetensors").mkdir(),
+     r"adapter_model\.safetensors is listed in the manifest but is missing"),
+    (symlink_to_identical_copy, r"adapter_model\.safetensors is a symbolic link"),
 ])
 def test_a_corrupted_adapter_directory_is_refused_with_a_clear_error(tmp_path: Path, tamper, message: str) -> None:
     store = AdapterStore(tmp_path)
@@ -323,19 +338,194 @@ def test_publish_refuses_non_increasing_versions(tmp_path: Path) -> None:
     assert tmp_entries(tmp_path) == []
 
 
-def test_disk_full_during_write_is_a_store_error_and_leaves_nothing(tmp_path: Path) -> None:
+def os_error(code: int, filename: str | None = None) -> OSError:
+    """An OSError as the kernel would raise it (OSError(EACCES, ...) is a PermissionError)."""
+    return OSError(code, os.strerror(code), filename)
+
+
+def fail_tmp_mkdir(mp: pytest.MonkeyPatch, root: Path) -> None:
+    real = Path.mkdir
+
+    def mkdir(self: Path, *args, **kwargs) -> None:
+        if self.name.startswith(".tmp-v"):
+            raise os_error(errno.EACCES, str(self))
+        real(self, *args, **kwargs)
+
+    mp.setattr(Path, "mkdir", mkdir)
+
+
+def fail_manifest_write(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """The disk fills up part way through the manifest: a partial manifest.json is on disk."""
+    real_open = open
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if Path(path).name == "manifest.json" and "w" in mode:
+            f.write("{")
+            f.close()
+            raise os_error(errno.ENOSPC, str(path))
+        return f
+
+    mp.setattr(adapter_store, "open", fake_open, raising=False)
+
+
+def fail_file_fsync(mp: pytest.MonkeyPatch, root: Path) -> None:
+    def fsync_file(path: Path) -> None:
+        raise os_error(errno.EIO, str(path))
+
+    mp.setattr(adapter_store, "_fsync_file", fsync_file)
+
+
+def fail_rename(mp: pytest.MonkeyPatch, root: Path) -> None:
+    real = os.rename
+
+    def rename(src, dst) -> None:
+        if Path(src).name.startswith(".tmp-v"):
+            raise os_error(errno.EACCES, str(src))
+        real(src, dst)
+
+    mp.setattr(os, "rename", rename)
+
+
+def fail_root_fsync(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """The rename happened but cannot be made durable: the version must be taken back."""
+    real = adapter_store._fsync_dir
+
+    def fsync_dir(path: Path) -> None:
+        if Path(path) == root.resolve():
+            assert any(n.startswith("v000002-") for n in os.listdir(root))  # the rename did happen
+            raise os_error(errno.EIO, str(path))
+        real(path)
+
+    mp.setattr(adapter_store, "_fsync_dir", fsync_dir)
+
+
+def disk_full_write(d: Path) -> None:
+    writer(2.0)(d)
+    raise os_error(errno.ENOSPC, str(d / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("fault, write, stage, code, hint", [
+    (fail_tmp_mkdir, None, "creating the temporary directory", errno.EACCES, "writable by this user"),
+    (None, disk_full_write, "writing the adapter files", errno.ENOSPC, "free space on the filesystem"),
+    (fail_manifest_write, None, "writing the manifest", errno.ENOSPC, "free space on the filesystem"),
+    (fail_file_fsync, None, "syncing the adapter files to disk", errno.EIO, "check the filesystem"),
+    (fail_rename, None, "renaming the temporary directory into place", errno.EACCES, "writable by this user"),
+    (fail_root_fsync, None, "syncing the store root to disk", errno.EIO, "check the filesystem"),
+])
+def test_an_os_error_at_any_publish_stage_is_a_clear_store_error_and_tears_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault, write, stage: str, code: int, hint: str) -> None:
+    root = tmp_path / "adapters"
+    store = AdapterStore(root)
+    v1 = store.publish(1, writer())
+    with monkeypatch.context() as mp:
+        if fault is not None:
+            fault(mp, root)
+        with pytest.raises(StoreError) as info:
+            store.publish(2, write or writer(2.0))
+    message = str(info.value)
+    for part in (f"publishing adapter version 2 to {root.resolve()} failed while {stage} (.tmp-v000002-",
+                 f"{errno.errorcode[code]} ({os.strerror(code)}", "nothing was published", hint):
+        assert part in message, (part, message)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == code
+    assert sorted(os.listdir(root)) == [v1.name]  # no temporary directory, no version directory
+    for s in (store, AdapterStore(root, readonly=True)):
+        assert s.versions() == [1] and s.latest() == v1
+        with pytest.raises(AdapterNotFoundError):
+            s.load(2)
+    ref = store.publish(2, writer(2.0))  # the cause is gone: the version was not used up
+    assert store.load(2) == ref and store.versions() == [1, 2]
+
+
+def test_root_that_cannot_be_written_is_a_store_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Path.mkdir
+
+    def read_only_mount(self: Path, *args, **kwargs) -> None:
+        if self.name.startswith(".tmp-probe-"):
+            raise os_error(errno.EROFS, str(self))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only_mount)
+    root = tmp_path / "adapters"
+    with pytest.raises(StoreError) as info:
+        AdapterStore(root)
+    message = str(info.value)
+    assert f"adapter store root {root} cannot be created or written: EROFS (" in message, message
+    assert "writable by this user" in message
+    assert AdapterStore(root, readonly=True).versions() == []  # a reader needs no write access
+
+    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: (_ for _ in ()).throw(os_error(errno.EACCES, str(self))))
+    with pytest.raises(StoreError, match=rf"root {re.escape(str(tmp_path / 'other'))} cannot be created or written: "
+                                         rf"EACCES \(Permission denied"):
+        AdapterStore(tmp_path / "other")
+
+
+def test_unlistable_root_is_a_store_error_not_an_os_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = AdapterStore(tmp_path, readonly=True)
+
+    def scandir(path):
+        raise os_error(errno.EACCES, str(path))
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(StoreError, match=rf"cannot list the adapter store root {re.escape(str(tmp_path))}: EACCES"):
+        store.versions()
+
+
+# --- versions that vanish while they are read ---------------------------------------------
+
+
+def test_a_version_deleted_after_listing_is_not_found_naming_its_path(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     store = AdapterStore(tmp_path)
+    other = AdapterStore(tmp_path)  # e.g. the trainer discarding on resume while an engine reads
+    real_scan = store._scan
+    for version, lookup in ((1, store.load), (2, store.ref)):
+        ref = store.publish(version, writer(float(version)))
 
-    def write(d: Path) -> None:
-        writer()(d)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(d / "adapter_model.safetensors"))
+        def stale_scan() -> dict[int, list[str]]:
+            found = real_scan()
+            other.discard_after(version - 1)  # the directory goes right after it was listed
+            return found
 
-    with pytest.raises(StoreError, match=r"publishing adapter version 1 to .*\.tmp-v000001-.* failed: .*"
-                                         + os.strerror(errno.ENOSPC)) as info:
-        store.publish(1, write)
-    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
-    assert os.listdir(tmp_path) == []
-    assert store.versions() == [] and store.latest() is None
+        monkeypatch.setattr(store, "_scan", stale_scan)
+        with pytest.raises(AdapterNotFoundError, match=rf"directory {re.escape(ref.path)} does not exist"):
+            lookup(version)
+        monkeypatch.setattr(store, "_scan", real_scan)
+        assert not Path(ref.path).exists()
+
+    with pytest.raises(AdapterNotFoundError, match=rf"directory {re.escape(ref.path)} does not exist"):
+        store.verify_dir(ref.path)
+
+
+def test_a_version_deleted_while_its_files_are_hashed_is_not_found(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    store = AdapterStore(tmp_path)
+    ref = store.publish(1, writer())
+    real = adapter_store._sha256_file
+    calls = []
+
+    def sha256_file(path: Path) -> str:
+        calls.append(path.name)
+        if len(calls) == 2:  # one file checked, the second about to be read
+            AdapterStore(tmp_path).discard_after(0)
+        return real(path)
+
+    monkeypatch.setattr(adapter_store, "_sha256_file", sha256_file)
+    with pytest.raises(AdapterNotFoundError, match=rf"directory {re.escape(ref.path)} does not exist"):
+        store.load(1)
+    assert len(calls) == 2
+
+
+def test_latest_lists_again_when_the_newest_vanishes_under_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = AdapterStore(tmp_path)
+    v1 = store.publish(1, writer())
+    store.publish(2, writer(2.0))
+    real = store._published
+    listings = [real()]
+    AdapterStore(tmp_path).discard_after(1)
+    monkeypatch.setattr(store, "_published", lambda: listings.pop() if listings else real())
+    assert store.latest() == v1
+    assert listings == []  # the stale listing [1, 2] was used, then the fresh one
 
 
 def test_a_failing_write_callback_propagates_and_leaves_nothing(tmp_path: Path) -> None:
@@ -371,7 +561,7 @@ def test_unwritable_root_is_a_store_error(tmp_path: Path) -> None:
             AdapterStore(locked / "adapters")
         with pytest.raises(StoreError, match=r"root .*locked cannot be created or written.*Permission"):
             AdapterStore(locked)
-        with pytest.raises(StoreError, match=r"publishing adapter version 2 to .*root/\.tmp-v000002-.*Permission"):
+        with pytest.raises(StoreError, match=r"publishing adapter version 2 to .*root failed .*EACCES \(Permission"):
             store.publish(2, writer(1.0))
         assert store.versions() == [1] and tmp_entries(root) == []
         assert AdapterStore(root, readonly=True).load(1).version == 1  # readers need no write access
@@ -486,3 +676,77 @@ def test_prune_keeps_pinned_versions_and_the_newest_keep_last(tmp_path: Path) ->
     assert store.prune(keep_from=100) == [2]  # 5 and 6 are the newest two
     assert store.versions() == [5, 6]
     assert store.prune(keep_from=0) == []
+
+
+# --- discarding versions on resume ---------------------------------------------------------
+
+
+def test_discard_after_removes_newer_versions_so_they_can_be_published_again(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path, keep_last=0)
+    refs = {v: store.publish(v, writer(float(v))) for v in range(1, 6)}
+    store.pin(4)  # pins keep versions through prune, not through a discard
+    broken = tmp_path / f"v000009-{'0' * 8}"  # a version directory without a manifest goes too
+    broken.mkdir()
+    assert store.discard_after(2) == [3, 4, 5, 9]
+    assert store.versions() == [1, 2] and store.latest() == refs[2]
+    assert sorted(os.listdir(tmp_path)) == sorted([refs[1].name, refs[2].name])  # no .tmp-del-* left
+    with pytest.raises(StoreError, match="version 2 is already published"):
+        store.publish(2, writer(9.0))
+    new3 = store.publish(3, writer(30.0))  # the resumed trainer's next version
+    assert new3.sha256 != refs[3].sha256 and store.load(3) == new3 and store.versions() == [1, 2, 3]
+    assert asyncio.run(store.wait_for(3, timeout=1.0)) == new3
+
+    assert store.discard_after(3) == []  # nothing newer: the newest seen stays
+    with pytest.raises(StoreError, match="version 3 is already published"):
+        store.publish(3, writer(31.0))
+
+
+def test_discard_after_in_a_fresh_process_and_after_prune(tmp_path: Path) -> None:
+    first = AdapterStore(tmp_path, keep_last=0)
+    for v in range(1, 5):
+        first.publish(v, writer(float(v)))
+    assert first.prune(keep_from=3) == [1, 2]
+    resumed = AdapterStore(tmp_path)  # the restarted trainer: it has seen nothing yet
+    assert resumed.discard_after(1) == [3, 4]
+    assert resumed.versions() == []
+    assert resumed.publish(2, writer(20.0)).version == 2  # 2 was pruned, but it is after the checkpoint
+    assert resumed.discard_after(0) == [2] and resumed.versions() == []
+    assert resumed.publish(1, writer(10.0)).version == 1
+
+
+def test_discard_after_that_fails_part_way_keeps_blocking_reuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = AdapterStore(tmp_path)
+    for v in range(1, 6):
+        store.publish(v, writer(float(v)))
+    real = os.rename
+    renamed: list[str] = []
+
+    def rename(src, dst) -> None:
+        if renamed:  # the second deletion fails
+            raise os_error(errno.EACCES, str(src))
+        renamed.append(Path(src).name)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(StoreError, match=rf"cannot delete adapter {re.escape(str(tmp_path))}/v000004-.*EACCES"):
+        store.discard_after(2)
+    monkeypatch.undo()
+    assert renamed[0].startswith("v000005-")  # newest first: what is left is still a prefix
+    assert store.versions() == [1, 2, 3, 4] and tmp_entries(tmp_path) == []
+    with pytest.raises(StoreError, match="version 5 is already published"):  # the newest this store saw
+        store.publish(3, writer(30.0))
+    with pytest.raises(StoreError, match="version 4 is already published"):  # the newest left on disk
+        AdapterStore(tmp_path).publish(3, writer(30.0))
+    assert store.discard_after(2) == [3, 4]  # calling again finishes
+    assert store.publish(3, writer(30.0)).version == 3
+
+
+def test_discard_after_refuses_readonly_stores_and_bad_versions(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path)
+    store.publish(1, writer())
+    with pytest.raises(StoreError, match="readonly"):
+        AdapterStore(tmp_path, readonly=True).discard_after(0)
+    for bad in (-1, "0", True, 1.0, None):
+        with pytest.raises(ValueError, match="int >= 0"):
+            store.discard_after(bad)  # type: ignore[arg-type]
+    assert store.versions() == [1]
