@@ -9,25 +9,39 @@ Invariants:
   the step; with one optimizer step per batch that is the detached current log-probs.
 - A step whose loss or gradient norm is not finite changes no weight (it is skipped and counted).
 - Adapters are written only as safetensors + adapter_config.json (peft's save_pretrained).
+- Trainer state (`save_state`/`load_state`) is safetensors + JSON only, never pickle: LoRA
+  weights, AdamW moments keyed by parameter name, RNG state, counters. `trainer.json` holds the
+  sha256 of each tensor file, because safetensors checks no data bytes. A restored trainer's next
+  step gives bit-identical weights to the original's; a state that does not fit (missing or
+  corrupt file, other parameters or shapes, other LoRA rank) is refused whole, nothing changed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
+import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import structlog
 import torch
 
 from pipeline.config import LossConfig, TrainerConfig
+from pipeline.errors import TrainerError
 from pipeline.loss import group_advantages, policy_loss
 from pipeline.models import building_modules, load_causal_lm, pack_sequences, token_logprobs
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
 log = structlog.get_logger(__name__)
+
+# Bump when what save_state writes changes; load_state refuses any other format.
+STATE_FORMAT = 1
+STATE_FILES = ("lora.safetensors", "optimizer.safetensors", "rng.safetensors")  # hashed in trainer.json
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per parameter once stepped
 
 
 class LoRATrainer:
@@ -44,6 +58,7 @@ class LoRATrainer:
         self.trust_remote_code = trust_remote_code
         self.version = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0  # non-finite steps in a row; the orchestrator stops the run at a limit
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.pad_id = 0
@@ -148,9 +163,12 @@ class LoRATrainer:
         skipped = not (math.isfinite(loss_total) and math.isfinite(grad_norm))
         if skipped:
             self.skipped_steps += 1
+            self.consecutive_skips += 1
             self.optimizer.zero_grad(set_to_none=True)
-            log.warning("train_step_skipped", step=batch.step, loss=loss_total, grad_norm=grad_norm)
+            log.warning("train_step_skipped", step=batch.step, loss=loss_total, grad_norm=grad_norm,
+                        consecutive_skips=self.consecutive_skips)
         else:
+            self.consecutive_skips = 0
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
@@ -213,8 +231,200 @@ class LoRATrainer:
         assert self.model is not None, "call setup() first"
         self.model.save_pretrained(str(directory), safe_serialization=True)
 
+    # ------------------------------------------------------------------ state (checkpoint and resume)
+
+    def save_state(self, directory: Path) -> None:
+        """Write everything the next step depends on into the existing `directory` (blocking, fsynced).
+
+        lora.safetensors: each trainable parameter by name (float32). optimizer.safetensors:
+        "<name>.exp_avg", "<name>.exp_avg_sq", "<name>.step" for each parameter AdamW has stepped.
+        rng.safetensors: "cpu" (and "cuda" on a cuda device) RNG state as uint8. trainer.json:
+        format, version, counters, lr, lora_rank, parameter shapes and each file's sha256.
+        """
+        assert self.model is not None and self.optimizer is not None, "call setup() first"
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
+        trainable = self._trainable()
+        lora = {n: p.detach().to("cpu", torch.float32).contiguous() for n, p in trainable}
+        optim = {f"{n}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
+                 for n, p in trainable for k, v in self.optimizer.state.get(p, {}).items()}
+        rng = {"cpu": torch.get_rng_state()}
+        if self.cfg.device.startswith("cuda"):
+            rng["cuda"] = torch.cuda.get_rng_state(self.cfg.device)
+        from safetensors.torch import save
+
+        digests = {}
+        for name, tensors in zip(STATE_FILES, (lora, optim, rng)):
+            data = save(tensors)
+            _write_synced(directory / name, data)
+            digests[name] = hashlib.sha256(data).hexdigest()
+        meta = {
+            "format": STATE_FORMAT, "version": self.version, "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips, "lr": self.cfg.lr, "lora_rank": self.cfg.lora_rank,
+            "device": self.cfg.device, "parameters": {n: list(p.shape) for n, p in trainable}, "sha256": digests,
+        }
+        _write_synced(directory / "trainer.json", json.dumps(meta, indent=1).encode())
+        _fsync_dir(directory)
+        log.info("trainer_state_saved", path=str(directory), version=self.version)
+
+    def load_state(self, directory: Path) -> None:
+        """Restore a state written by `save_state` (after `setup()`; blocking).
+
+        Everything is checked before anything changes: a missing or corrupt file, other parameter
+        names or shapes, or another lora_rank raise TrainerError naming the file or parameter.
+        Afterwards only the restored version can be recomputed (its snapshot is the loaded weights).
+        """
+        assert self.model is not None and self.optimizer is not None, "call setup() first"
+        directory = Path(directory)
+        meta_path = directory / "trainer.json"
+        meta = _read_meta(meta_path)
+        if meta.get("format") != STATE_FORMAT:
+            raise TrainerError(f"{meta_path}: format {meta.get('format')!r}, this trainer reads {STATE_FORMAT}")
+        if meta.get("simulated"):
+            raise TrainerError(f"{meta_path} was written by the simulated trainer, not a LoRA trainer")
+        if meta.get("lora_rank") != self.cfg.lora_rank:
+            raise TrainerError(f"{meta_path}: saved with lora_rank {meta.get('lora_rank')!r}, "
+                               f"this trainer has lora_rank {self.cfg.lora_rank}")
+        counters = {k: _counter(meta_path, meta, k) for k in ("version", "skipped_steps", "consecutive_skips")}
+        trainable = dict(self._trainable())
+        shapes = {n: list(p.shape) for n, p in trainable.items()}
+        saved_shapes = meta.get("parameters")
+        if not isinstance(saved_shapes, dict):
+            raise TrainerError(f"{meta_path}: 'parameters' must map parameter names to shapes")
+        _check_same_parameters(meta_path, saved_shapes, shapes)
+        digests = meta.get("sha256")
+        if not isinstance(digests, dict):
+            raise TrainerError(f"{meta_path}: 'sha256' must map file names to digests")
+        lora, optim, rng = (_read_tensors(directory / f, digests.get(f)) for f in STATE_FILES)
+
+        lora_path = directory / STATE_FILES[0]
+        _check_same_parameters(lora_path, {n: list(t.shape) for n, t in lora.items()}, shapes)
+        for n, t in lora.items():
+            if t.dtype != torch.float32:
+                raise TrainerError(f"{lora_path}: parameter {n!r} is {t.dtype}, expected torch.float32")
+        optim_state = _optimizer_state(directory / STATE_FILES[1], optim, shapes)
+        rng_path = directory / STATE_FILES[2]
+        if "cpu" not in rng or rng["cpu"].dtype != torch.uint8:
+            raise TrainerError(f"{rng_path}: no uint8 'cpu' RNG state")
+
+        with torch.no_grad():
+            for n, p in trainable.items():
+                p.copy_(lora[n].to(p.device))
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        sd = self.optimizer.state_dict()
+        sd["state"] = {index[id(trainable[n])]: st for n, st in optim_state.items()}
+        self.optimizer.load_state_dict(sd)  # places each moment on its parameter's device
+        torch.set_rng_state(rng["cpu"])
+        if self.cfg.device.startswith("cuda"):
+            if "cuda" in rng:
+                torch.cuda.set_rng_state(rng["cuda"], self.cfg.device)
+            else:
+                log.warning("trainer_state_no_cuda_rng", path=str(directory), device=self.cfg.device)
+        if meta.get("lr") != self.cfg.lr:
+            log.info("trainer_lr_changed", saved=meta.get("lr"), now=self.cfg.lr)
+        self.version = counters["version"]
+        self.skipped_steps = counters["skipped_steps"]
+        self.consecutive_skips = counters["consecutive_skips"]
+        self._snapshots = {}
+        self._snapshot()
+        log.info("trainer_state_loaded", path=str(directory), version=self.version)
+
     def close(self) -> None:
         """Nothing to release beyond memory (the process-based trainer stops its child here)."""
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the directory entries of files just written durable too."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise TrainerError(f"trainer state file {path} is missing") from None
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        raise TrainerError(f"trainer state file {path} cannot be read as JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise TrainerError(f"trainer state file {path} must hold a JSON object, got {type(meta).__name__}")
+    return meta
+
+
+def _counter(path: Path, meta: dict[str, Any], key: str) -> int:
+    v = meta.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise TrainerError(f"{path}: {key} must be an integer >= 0, got {v!r}")
+    return v
+
+
+def _read_tensors(path: Path, sha256: Any) -> dict[str, torch.Tensor]:
+    """The tensors of one state file, after checking its bytes against the digest in trainer.json."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise TrainerError(f"trainer state file {path} is missing") from None
+    except OSError as e:
+        raise TrainerError(f"trainer state file {path} cannot be read: {e}") from None
+    if not isinstance(sha256, str):
+        raise TrainerError(f"trainer.json has no sha256 for {path.name}")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise TrainerError(f"trainer state file {path} is corrupt: its sha256 does not match trainer.json")
+    try:
+        return load(data)
+    except (SafetensorError, ValueError, RuntimeError) as e:  # the digest matched a file that is not safetensors
+        raise TrainerError(f"trainer state file {path} is not valid safetensors: {e}") from None
+
+
+def _check_same_parameters(path: Path, saved: dict[str, Any], expected: dict[str, list[int]]) -> None:
+    """Raise TrainerError naming the first parameter missing, unexpected or of another shape."""
+    missing = [n for n in expected if n not in saved]
+    if missing:
+        raise TrainerError(f"{path}: no parameter {missing[0]!r} ({len(missing)} of this trainer's "
+                           f"{len(expected)} missing; other target_modules?)")
+    extra = [n for n in saved if n not in expected]
+    if extra:
+        raise TrainerError(f"{path}: parameter {extra[0]!r} is not in this trainer ({len(extra)} unknown; "
+                           f"other target_modules?)")
+    for n, shape in expected.items():
+        if saved[n] != shape:
+            raise TrainerError(f"{path}: parameter {n!r} has shape {saved[n]}, this trainer's is {shape}")
+
+
+def _optimizer_state(path: Path, tensors: dict[str, torch.Tensor],
+                     shapes: dict[str, list[int]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Group "<name>.<key>" tensors by parameter and check each is a complete AdamW state."""
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        name, _, field = key.rpartition(".")
+        if name not in shapes:
+            raise TrainerError(f"{path}: {key!r} is for parameter {name!r}, which is not in this trainer")
+        state.setdefault(name, {})[field] = t
+    for name, st in state.items():
+        absent = [k for k in ADAM_STATE_KEYS if k not in st]
+        if absent:
+            raise TrainerError(f"{path}: parameter {name!r} has no {absent[0]!r}")
+        for k in ("exp_avg", "exp_avg_sq"):
+            if list(st[k].shape) != shapes[name] or st[k].dtype != torch.float32:
+                raise TrainerError(f"{path}: {name}.{k} is {st[k].dtype} {list(st[k].shape)}, "
+                                   f"expected torch.float32 {shapes[name]}")
+        if st["step"].numel() != 1:
+            raise TrainerError(f"{path}: {name}.step must be a scalar, got shape {list(st['step'].shape)}")
+    return state
 
 
 class SimulatedTrainer:
@@ -224,6 +434,7 @@ class SimulatedTrainer:
         self.step_s = step_s
         self.version = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
 
     def setup(self) -> None:
         return None
@@ -246,10 +457,24 @@ class SimulatedTrainer:
 
     def save_adapter(self, directory: Path) -> None:
         """A minimal valid adapter directory, so the store and engines exercise the real path."""
-        import json
-
         from safetensors.numpy import save_file
 
         save_file({"version": np.array([self.version], dtype=np.int64)},
                   str(Path(directory) / "adapter_model.safetensors"))
         (Path(directory) / "adapter_config.json").write_text(json.dumps({"simulated": True, "version": self.version}))
+
+    def save_state(self, directory: Path) -> None:
+        """trainer.json with the version (and step_s), fsynced: all the state this trainer has."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
+        meta = {"format": STATE_FORMAT, "simulated": True, "version": self.version, "step_s": self.step_s}
+        _write_synced(directory / "trainer.json", json.dumps(meta).encode())
+        _fsync_dir(directory)
+
+    def load_state(self, directory: Path) -> None:
+        path = Path(directory) / "trainer.json"
+        meta = _read_meta(path)
+        if not meta.get("simulated"):
+            raise TrainerError(f"{path} was not written by the simulated trainer")
+        self.version = _counter(path, meta, "version")

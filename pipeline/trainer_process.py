@@ -9,8 +9,11 @@ Invariants:
 - One request at a time, answered in order; an exception in the child is raised in the caller
   with its type name and message (the child's traceback goes to its log).
 - The child is started with "spawn" (never fork: the parent may hold CUDA) and is stopped by
-  `close()`; if it dies, every later call raises TrainerError.
-- Adapters still go through the filesystem: `save_adapter(dir)` makes the child write them.
+  `close()`; if it dies, every later call raises TrainerError saying it is not running.
+- Adapters and trainer state still go through the filesystem: `save_adapter(dir)`,
+  `save_state(dir)` and `load_state(dir)` make the child write or read them.
+- `version`, `skipped_steps` and `consecutive_skips` mirror the child's after every call that
+  changes them (setup, step, load_state).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ import numpy as np
 from pipeline.config import LossConfig, TrainerConfig
 from pipeline.errors import TrainerError
 from pipeline.types import Batch, RolloutGroup, TrainStats
+
+
+_MIRRORED = ("setup", "step", "load_state")  # calls that answer with the trainer's counters too
 
 
 def _serve(conn: Connection, args: tuple, kwargs: dict) -> None:
@@ -46,8 +52,8 @@ def _serve(conn: Connection, args: tuple, kwargs: dict) -> None:
             return
         try:
             result = getattr(trainer, method)(*margs)
-            if method in ("step", "setup"):
-                result = (result, trainer.version, trainer.skipped_steps)
+            if method in _MIRRORED:
+                result = (result, trainer.version, trainer.skipped_steps, trainer.consecutive_skips)
             conn.send(("ok", result))
         except Exception as e:  # report to the parent, which raises it; keep serving
             conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
@@ -63,20 +69,32 @@ class ProcessTrainer:
         self.start_timeout_s = start_timeout_s
         self.version = 0
         self.skipped_steps = 0
+        self.consecutive_skips = 0
         self._conn: Connection | None = None
         self._proc: Any = None
 
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None before setup and after close)."""
+        return None if self._proc is None else self._proc.pid
+
+    def _dead(self, method: str) -> TrainerError:
+        code = None
+        if self._proc is not None:
+            self._proc.join(1)  # reap it, so the exit code is known
+            code = self._proc.exitcode
+        return TrainerError(f"the trainer process is not running (exit code {code}); {method} failed")
+
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
         if self._conn is None or self._proc is None or not self._proc.is_alive():
-            code = None if self._proc is None else self._proc.exitcode
-            raise TrainerError(f"the trainer process is not running (exit code {code})")
-        self._conn.send((method, args))
-        if not self._conn.poll(timeout):
-            raise TrainerError(f"the trainer process did not answer {method} within {timeout} s")
+            raise self._dead(method)
         try:
+            self._conn.send((method, args))
+            if not self._conn.poll(timeout):
+                raise TrainerError(f"the trainer process did not answer {method} within {timeout} s")
             status, value = self._conn.recv()
-        except EOFError:
-            raise TrainerError(f"the trainer process died during {method} (exit code {self._proc.exitcode})") from None
+        except (EOFError, OSError):  # the child died before or while answering (OSError: broken pipe)
+            raise self._dead(method) from None
         if status == "error":
             name, msg, tb = value
             if name == "KeyError":  # a version the trainer no longer holds: callers handle it
@@ -91,10 +109,10 @@ class ProcessTrainer:
                                  daemon=True)
         self._proc.start()
         child.close()
-        _, self.version, self.skipped_steps = self._call("setup", timeout=self.start_timeout_s)
+        _, self.version, self.skipped_steps, self.consecutive_skips = self._call("setup", timeout=self.start_timeout_s)
 
     def step(self, batch: Batch) -> TrainStats:
-        stats, self.version, self.skipped_steps = self._call("step", batch)
+        stats, self.version, self.skipped_steps, self.consecutive_skips = self._call("step", batch)
         return stats
 
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
@@ -102,6 +120,12 @@ class ProcessTrainer:
 
     def save_adapter(self, directory: Path) -> None:
         self._call("save_adapter", Path(directory))
+
+    def save_state(self, directory: Path) -> None:
+        self._call("save_state", Path(directory))
+
+    def load_state(self, directory: Path) -> None:
+        _, self.version, self.skipped_steps, self.consecutive_skips = self._call("load_state", Path(directory))
 
     def close(self) -> None:
         """Stop the child (idempotent)."""

@@ -1,0 +1,213 @@
+"""RewardScorer's invariants: n finite floats or RewardError; cheap sync rewards inline, slow ones in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pipeline.errors import RewardError
+from pipeline.rewards import RewardScorer
+from pipeline.types import Prompt
+
+PROMPT = Prompt(id="p0", text="2+2=", token_ids=(1, 2, 3, 4), meta={"answer": "4", "level": 1})
+COMPLETIONS = ["4", "5", "four", ""]
+COMPLETION_IDS = [[10], [11], [12, 13, 14, 15], []]
+# Wide margins so a loaded CI machine cannot flip a classification: a trivial call takes microseconds.
+INLINE_BELOW_S = 2e-3
+INLINE_MAX_S = 20e-3
+SLOW_S = 0.05
+
+
+def _scorer(fns: Any, weights: list[float] | None = None) -> RewardScorer:
+    return RewardScorer(fns, weights, inline_below_s=INLINE_BELOW_S, inline_max_s=INLINE_MAX_S)
+
+
+def _score(scorer: RewardScorer) -> np.ndarray:
+    return asyncio.run(scorer.score(PROMPT, COMPLETIONS, COMPLETION_IDS))
+
+
+class Recorder:
+    """A sync reward (length of each completion) that records the thread of each call; `delay_s` slows it."""
+
+    def __init__(self) -> None:
+        self.threads: list[int] = []
+        self.delay_s = 0.0
+        self.__name__ = "length_reward"
+
+    def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        self.threads.append(threading.get_ident())
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return [float(len(c)) for c in completions]
+
+
+def _calls_on_loop(scorer: RewardScorer, fn: Recorder, calls: int) -> list[bool]:
+    """Score `calls` groups in one event loop; for each, whether the function ran on the loop's thread."""
+
+    async def main() -> list[bool]:
+        loop_thread = threading.get_ident()
+        start = len(fn.threads)
+        for _ in range(calls):
+            out = await scorer.score(PROMPT, COMPLETIONS, COMPLETION_IDS)
+            np.testing.assert_array_equal(out, [1.0, 1.0, 4.0, 0.0])
+        return [t == loop_thread for t in fn.threads[start:]]
+
+    return asyncio.run(main())
+
+
+def test_fast_sync_reward_moves_inline_after_its_first_call():
+    fn = Recorder()
+    scorer = _scorer(fn)
+    assert scorer.inline == [False]
+    assert _calls_on_loop(scorer, fn, 4) == [False, True, True, True]
+    assert scorer.inline == [True]
+
+
+def test_slow_sync_reward_stays_in_a_thread_and_the_loop_runs_meanwhile():
+    fn = Recorder()
+    fn.delay_s = SLOW_S
+    scorer = _scorer(fn)
+
+    async def main() -> tuple[np.ndarray, int]:
+        ticks = 0
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0.002)
+
+        task = asyncio.create_task(ticker())
+        try:
+            out = await scorer.score(PROMPT, COMPLETIONS, COMPLETION_IDS)
+        finally:
+            done.set()
+            await task
+        return out, ticks
+
+    out, ticks = asyncio.run(main())
+    np.testing.assert_array_equal(out, [1.0, 1.0, 4.0, 0.0])
+    assert ticks >= 3  # the loop kept running while the reward slept in its thread
+    assert _calls_on_loop(scorer, fn, 2) == [False, False]
+    assert scorer.inline == [False]
+
+
+def test_inline_reward_that_turns_slow_goes_back_to_a_thread():
+    fn = Recorder()
+    scorer = _scorer(fn)
+    assert _calls_on_loop(scorer, fn, 2) == [False, True]
+    fn.delay_s = SLOW_S
+    # the slow call itself ran inline (nothing could know in advance), the next one is in a thread
+    assert _calls_on_loop(scorer, fn, 2) == [True, False]
+    assert scorer.inline == [False]
+    fn.delay_s = 0.0
+    # one fast call does not outweigh the slow one in the running mean; a run of fast calls does
+    on_loop = _calls_on_loop(scorer, fn, 30)
+    assert on_loop[0] is False and on_loop[-1] is True
+    assert scorer.inline == [True]
+
+
+def test_async_reward_functions_are_awaited_on_the_loop():
+    seen: list[int] = []
+
+    async def async_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        seen.append(threading.get_ident())
+        await asyncio.sleep(0)
+        return [1.0 if c == kwargs["answer"][i] else 0.0 for i, c in enumerate(completions)]
+
+    class AsyncCallable:
+        async def __call__(self, prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+            seen.append(threading.get_ident())
+            return [float(len(ids)) for ids in kwargs["completion_ids"]]
+
+    async def later(values: list[float]) -> list[float]:
+        return values
+
+    def returns_awaitable(prompts: list[str], completions: list[str], **kwargs: Any) -> Any:
+        return later([0.5] * len(completions))
+
+    scorer = _scorer([async_reward, AsyncCallable(), returns_awaitable])
+    assert scorer.is_async == [True, True, False]
+
+    async def main() -> tuple[np.ndarray, int]:
+        return await scorer.score(PROMPT, COMPLETIONS, COMPLETION_IDS), threading.get_ident()
+
+    out, loop_thread = asyncio.run(main())
+    np.testing.assert_array_equal(out, np.array([1, 0, 0, 0]) + np.array([1, 1, 4, 0]) + 0.5)
+    assert seen == [loop_thread, loop_thread]
+
+
+def test_weights_combine_and_every_function_gets_the_group():
+    calls: list[dict[str, Any]] = []
+
+    def correct(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        calls.append({"prompts": prompts, **kwargs})
+        return [1.0 if c == a else 0.0 for c, a in zip(completions, kwargs["answer"])]
+
+    def length(prompts: list[str], completions: list[str], **kwargs: Any) -> list[int]:
+        return [len(c) for c in completions]  # ints are numbers too
+
+    out = _score(_scorer([correct, length], weights=[2.0, -0.5]))
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, [2.0 - 0.5, -0.5, -2.0, 0.0])
+    assert calls == [{"prompts": [PROMPT.text] * 4, "answer": ["4"] * 4, "level": [1] * 4,
+                      "completion_ids": COMPLETION_IDS}]
+
+
+def test_a_raising_reward_is_a_reward_error_naming_it():
+    def broken_reward(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        raise ZeroDivisionError("no answer")
+
+    async def broken_async(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        raise KeyError("solution")
+
+    fine = Recorder()
+    with pytest.raises(RewardError, match="'broken_reward' raised ZeroDivisionError: no answer"):
+        _score(_scorer([fine, broken_reward]))
+    with pytest.raises(RewardError, match="'broken_async' raised KeyError"):
+        _score(_scorer(broken_async))
+
+
+@pytest.mark.parametrize("values, message", [
+    ([1.0, float("nan"), 0.0, 0.0], r"'bad' returned a non-finite value \(nan\)"),
+    ([1.0, float("inf"), 0.0, 0.0], r"'bad' returned a non-finite value \(inf\)"),
+    ([1.0, 0.0, 0.0], "'bad' returned 3 values for 4 completions"),
+    ([1.0, 0.0, 0.0, 0.0, 1.0], "'bad' returned 5 values for 4 completions"),
+    (["good", 0.0, 0.0, 0.0], "'bad' must return a list of 4 numbers"),
+    (None, "'bad' must return a list of 4 numbers"),
+    (1.0, "'bad' must return a list of 4 numbers"),
+])
+def test_bad_reward_values_are_reward_errors(values: Any, message: str):
+    def bad(prompts: list[str], completions: list[str], **kwargs: Any) -> Any:
+        return values
+
+    with pytest.raises(RewardError, match=message):
+        _score(_scorer(bad))
+
+
+def test_cancellation_is_not_a_reward_error():
+    async def hangs(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        await asyncio.Event().wait()
+        return []
+
+    async def main() -> None:
+        task = asyncio.create_task(_scorer(hangs).score(PROMPT, COMPLETIONS, COMPLETION_IDS))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await task
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(main())
+
+
+def test_scorer_refuses_no_functions_or_mismatched_weights():
+    with pytest.raises(ValueError, match="at least one reward function"):
+        RewardScorer([])
+    with pytest.raises(ValueError, match="2 reward functions but 1 weights"):
+        RewardScorer([Recorder(), Recorder()], weights=[1.0])
