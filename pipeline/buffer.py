@@ -83,7 +83,7 @@ class RolloutBuffer:
     """Admission control, the store of completed groups, and EDF batch selection."""
 
     def __init__(self, batch_groups: int, max_staleness: int, capacity: int = 0, max_groups: int | None = None,
-                 first_group_id: int = 0) -> None:
+                 first_group_id: int = 0, start_version: int = 0) -> None:
         if batch_groups < 1 or max_staleness < 0:
             raise ValueError(f"batch_groups must be >= 1 and max_staleness >= 0, got {batch_groups}, {max_staleness}")
         self.B = batch_groups
@@ -93,7 +93,10 @@ class RolloutBuffer:
             raise ValueError(f"capacity must be >= (max_staleness + 1) * batch_groups = "
                              f"{(max_staleness + 1) * batch_groups}, got {capacity}")
         self.max_groups = max_groups  # stop admitting once this many live groups were started
-        self.serving_version = 0
+        # A resumed run starts at the checkpoint's version with nothing live: admission counts as
+        # if exactly start_version * B groups were trained, so it does not burst ahead.
+        self.start_version = start_version
+        self.serving_version = start_version
         self.counts = BufferCounts()
         self._next_id = first_group_id
         self._in_flight: dict[int, int] = {}  # group id -> version
@@ -106,31 +109,38 @@ class RolloutBuffer:
 
     def admission_room(self) -> int:
         """How many more groups may start now."""
-        limit = (self.K + self.serving_version + 1) * self.B
+        limit = (self.K + self.serving_version - self.start_version + 1) * self.B
         if self.max_groups is not None:
             limit = min(limit, self.max_groups)
         return max(0, limit - self.counts.live)
 
-    def try_admit(self) -> Admission | None:
-        """Start one group if admission allows it now (synchronous core of `admit`)."""
+    def try_admit(self, group_id: int | None = None) -> Admission | None:
+        """Start one group if admission allows it now (synchronous core of `admit`).
+
+        group_id: the caller's id for it (the ledger's stream position); default: the next of a counter.
+        """
         if self._closed:
             raise BufferClosed("buffer closed")
         if not self._admission_open or self.admission_room() <= 0:
             return None
-        gid = self._next_id
-        self._next_id += 1
+        if group_id is None:
+            group_id = self._next_id
+            self._next_id += 1
+        elif group_id in self._in_flight or group_id in self._completed:
+            raise ValueError(f"group {group_id} is already live")
+        gid = group_id
         self._in_flight[gid] = self.serving_version
         self.counts.started += 1
         self.counts.in_flight += 1
         return Admission(gid, self.serving_version, time.monotonic())
 
-    async def admit(self) -> Admission | None:
+    async def admit(self, group_id: int | None = None) -> Admission | None:
         """Wait for room, then start one group. None once admission is finished for good."""
         async with self._cond:
             while True:
                 if not self._admission_open and not self._closed:
                     return None
-                adm = self.try_admit()
+                adm = self.try_admit(group_id)
                 if adm is not None:
                     return adm
                 if self.max_groups is not None and self.counts.live >= self.max_groups and not self._in_flight \

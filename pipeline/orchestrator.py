@@ -1,29 +1,46 @@
 """The Pipeline: builds the components from a config and runs the loops on one event loop.
 
-    prompts ─► _admission_loop ─► _group_task (one per group) ───────────────► RolloutBuffer
+    ledger ids ─► _admission_loop ─► _group_task (one per group) ────────────► RolloutBuffer
                  │ buffer.admit()   engine.generate(n) → decode → reward            │
-                 │ (staleness bound)                                                │ get_batch (EDF)
+                 │ (staleness bound)  (retried; failing engines leave rotation)     │ get_batch (EDF)
                  ▼                                                                  ▼
     serving version ◄─ _adapter_loop ◄─ AdapterStore.publish ◄──────────── _train_loop
-                       engine.load_adapter(v)   (shared filesystem)     trainer.step (thread)
+                       verify, engine.load_adapter(v)   (shared filesystem)  trainer.step (thread)
     RolloutLog (zarr) ◄── every group that leaves: trained at step s, dropped or failed, and why
+    checkpoints/ ◄── every pipeline.checkpoint_every steps, at the end and on a stop: trainer
+                     state + ledger + how many RolloutLog rows it covers
 
 Invariants:
 - Only this module wires components together; components never call back into it.
-- Every admitted group leaves exactly once, through `_settle`: trained, dropped (reason) or
-  failed (reason), and is appended to the RolloutLog. At the end of a run
-  started = trained + dropped + failed, and the log has one entry per started group.
-- The event loop never blocks: model loading, training steps, publishing and zarr flushes run
-  in worker threads; engines run their own threads or processes.
+- A group's id is its position in the prompt stream (the Ledger's id); every admitted group
+  leaves exactly once, through `_record`: trained, dropped (reason) or failed (reason), and is
+  appended to the RolloutLog. At the end of a run started = trained + dropped + failed over
+  every session, and the log has one entry per started group.
+- Resume continues from the newest checkpoint: the RolloutLog is cut to the rows the checkpoint
+  covers, adapter versions after it are discarded and its own version published again, and
+  every id the checkpoint did not see settled is generated again (same id, so never twice in
+  the log). Admission counts from the checkpoint's version, so nothing bursts stale.
+- The event loop never blocks: model loading, training steps, publishing, checkpoints and zarr
+  flushes run in worker threads; engines run their own threads or processes. Every wait on an
+  engine or the trainer has a timeout (engine.request_timeout_s, load_timeout_s,
+  start_timeout_s, trainer.step_timeout_s).
+- A generate call that raises or times out is retried (engine.retries, with backoff) and then
+  counted as failed; an engine that is dead, or fails engine.max_consecutive_errors calls in a
+  row, leaves the rotation and its groups go to the others. An adapter version that does not
+  verify or load is skipped while an older one may still serve within max_staleness.
 - The first task to fail ends the run with that error; shutdown closes the buffer, cancels,
   gathers under a timeout, records what was in flight as dropped ("shutdown"), flushes the log
-  and closes what the pipeline built. CancelledError is never swallowed.
+  and closes what the pipeline built. CancelledError is never swallowed. A stop request (the
+  first SIGINT/SIGTERM with handle_signals) finishes the step, checkpoints and shuts down; a
+  second signal exits at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -37,9 +54,13 @@ import structlog
 
 from pipeline.adapter_store import AdapterStore
 from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
+from pipeline.checkpoint import Checkpoint, CheckpointStore
 from pipeline.config import RunConfig, dump_toml
 from pipeline.engines.base import Engine
-from pipeline.errors import FatalError, PromptError, RecoverableError, RewardError
+from pipeline.errors import (AdapterError, ConfigError, EngineDeadError, FatalError, PromptError, RecoverableError,
+                             RewardError, TrainerError)
+from pipeline.faults import crash_point
+from pipeline.ledger import Ledger
 from pipeline.log import close_logging, configure_logging
 from pipeline.loss import logprob_mismatch
 from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter
@@ -150,6 +171,9 @@ class Pipeline:
         self.buffer: RolloutBuffer | None = None  # None until set-up has finished
         self.trainer: Any = None
         self._threads_before: int | None = None  # torch threads to restore at the end
+        self._stop = asyncio.Event()
+        self.stopped_by: str | None = None  # what asked the run to stop early (a signal name, "request")
+        self._signals_installed = False
         self._t_start = time.monotonic()
         error: BaseException | None = None
         try:
@@ -191,11 +215,33 @@ class Pipeline:
         self._token_cache: dict[str, tuple[int, ...]] = {}
         self.prompts_refused: Counter[str] = Counter()
 
-        # storage
+        # storage, and where a resumed run starts from
+        pc = cfg.pipeline
+        if not self._resume and ((self.run_dir / "rollouts.zarr").exists() or (self.run_dir / "checkpoints").exists()):
+            raise ConfigError(f"run directory {self.run_dir} already holds a run; continue it with "
+                              f"python run.py --resume {self.run_dir}, or choose another out directory")
+        self.checkpoints = CheckpointStore(self.run_dir / "checkpoints", keep=pc.keep_checkpoints)
+        ck = self.checkpoints.latest() if self._resume else None
+        self._resumed_from: Checkpoint | None = ck
+        self.start_step = ck.step if ck else 0
+        self.start_version = int(ck.state["version"]) if ck else 0
+        self._wall0 = float(ck.state.get("wall_s", 0.0)) if ck else 0.0  # wall time of earlier sessions
+        if self.start_step >= pc.steps:
+            raise ConfigError(f"the run in {self.run_dir} is checkpointed at step {self.start_step} and "
+                              f"pipeline.steps is {pc.steps}; raise it (--steps N) to train further")
+        self.ledger = Ledger.from_snapshot(ck.state["ledger"], self.source.total) if ck else Ledger(self.source.total)
+        self.checkpoint_step: int | None = ck.step if ck else None
         self.store = AdapterStore(cfg.store.root or self.run_dir / "adapters", base_model=str(self.model_path or ""),
                                   keep_last=cfg.store.keep_last)
         self.rollout_log = RolloutLog(self.run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)},
                                       flush_every=4096)
+        if self._resume:
+            # what happened after the checkpoint is redone: cut it from the log, the store and the metrics
+            self.rollout_log.truncate(int(ck.state["log_rows"]) if ck else 0)
+            await asyncio.to_thread(self.store.discard_after, max(0, self.start_version - 1))
+            self.metrics_rows = self._keep_metrics(self.start_step)
+            log.info("run_resumed", run_dir=str(self.run_dir), step=self.start_step, version=self.start_version,
+                     requeued=self.ledger.queued, cursor=self.ledger.cursor)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
 
         self._share_cpu()
@@ -210,16 +256,37 @@ class Pipeline:
         if self._user_engines is None:
             self._built_engines = list(self.engines)
         self.trainer = self._user_trainer or self._build_trainer()
-        await asyncio.gather(*(e.start() for e in self.engines), asyncio.to_thread(self.trainer.setup))
-
-        pc = cfg.pipeline
-        self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
-                                    max_groups=pc.steps * pc.batch_groups)
+        try:
+            async with asyncio.timeout(cfg.engine.start_timeout_s):
+                await asyncio.gather(*(e.start() for e in self.engines), asyncio.to_thread(self.trainer.setup))
+        except TimeoutError:
+            raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
+                                  f"{cfg.engine.start_timeout_s} s") from None
         self._adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
+        if ck is not None:
+            # the trainer continues from the checkpoint; its version is published again (the same
+            # bytes, the same directory name) and every engine serves it before the first group
+            await asyncio.to_thread(self.trainer.load_state, ck.trainer_dir)
+            if self.trainer.version != self.start_version:
+                raise TrainerError(f"checkpoint {ck.path} holds trainer version {self.trainer.version}, "
+                                   f"its ledger says {self.start_version}")
+            ref = await asyncio.to_thread(self.store.publish, self.start_version, self.trainer.save_adapter)
+            await self._load_on_engines(ref)
+            self._adapters[self.start_version] = ref
+
+        self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
+                                    max_groups=(pc.steps - self.start_step) * pc.batch_groups,
+                                    start_version=self.start_version)
+        # groups of earlier sessions, by fate: the run's totals are these plus this session's
+        self._base = Counter(self.ledger.fates)
+        self._healthy: list[Engine] = list(self.engines)  # engines in rotation
+        self._engine_errors: dict[str, int] = {e.name: 0 for e in self.engines}  # consecutive failed calls
         self._published = asyncio.Event()
         self._publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
         self._busy0: dict[str, float] = {}
+        self._load_failures: dict[int, str] = {}
+        self._retries = 0
         self._live: dict[int, tuple[Prompt, int, float]] = {}
         self._training: list[RolloutGroup] = []
         self._engine_load: dict[str, int] = {e.name: 0 for e in self.engines}
@@ -230,6 +297,39 @@ class Pipeline:
         log.info("pipeline_ready", run_dir=str(self.run_dir), engines=[e.name for e in self.engines],
                  model=self.model_path, setup_s=round(self.setup_s, 2), batch_groups=pc.batch_groups,
                  max_staleness=pc.max_staleness, group_size=cfg.sampling.n)
+
+    def _keep_metrics(self, step: int) -> list[dict[str, Any]]:
+        """Rewrite metrics.jsonl with the rows of steps <= `step` only; return them."""
+        from pipeline.metrics import read_jsonl
+
+        path = self.run_dir / "metrics.jsonl"
+        rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step] if path.exists() else []
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        os.replace(tmp, path)
+        return rows
+
+    async def _load_on_engines(self, ref: AdapterRef) -> None:
+        """Every engine in rotation loads `ref`, each under engine.load_timeout_s."""
+        timeout = self.config.engine.load_timeout_s
+        engines = getattr(self, "_healthy", self.engines)
+
+        async def one(e: Engine) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await e.load_adapter(ref)
+            except TimeoutError:
+                raise AdapterError(f"engine {e.name} did not load adapter {ref.path} within "
+                                   f"engine.load_timeout_s = {timeout} s") from None
+
+        results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+        for e, r in zip(list(engines), results):
+            if isinstance(r, EngineDeadError) and hasattr(self, "_healthy"):
+                self._engine_failed(e, r)  # a dead engine leaves the rotation; the others serve on
+            elif isinstance(r, BaseException):
+                raise r
+        if hasattr(self, "_healthy"):
+            self._pick_engine()  # raises if no engine is left
 
     def _share_cpu(self) -> None:
         """Engine and trainer both computing on the CPU: give each half the cores.
@@ -267,24 +367,26 @@ class Pipeline:
     def _build_engines(self) -> list[Engine]:
         cfg = self.config
         K = cfg.pipeline.max_staleness
+        seed = cfg.seed + 1009 * self.start_step  # a resumed run samples afresh, not the first session's draws
         engines: list[Engine] = []
         for i, dev in enumerate(cfg.engine.devices):
             if cfg.engine.kind == "simulated":
                 from pipeline.engines.simulated import SimulatedEngine
 
-                engines.append(SimulatedEngine(cfg.engine.simulated, seed=cfg.seed + i, name=f"simulated-{i}"))
+                engines.append(SimulatedEngine(cfg.engine.simulated, seed=seed + i, name=f"simulated-{i}"))
             elif cfg.engine.kind == "transformers":
                 from pipeline.engines.transformers import TransformersEngine
 
                 engines.append(TransformersEngine(
                     self.model_path, sampling=cfg.sampling, cfg=cfg.engine.transformers, device=dev,
                     dtype=cfg.model.dtype, max_loaded_adapters=cfg.engine.transformers.max_loaded_adapters or K + 1,
-                    seed=cfg.seed + i, name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code))
+                    seed=seed + i, name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code))
             else:
                 from pipeline.engines.vllm import VLLMEngine
 
                 engines.append(VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=dev,
-                                          max_staleness=K, name=f"vllm-{i}", seed=cfg.engine.vllm.seed + i))
+                                          max_staleness=K, name=f"vllm-{i}",
+                                          seed=cfg.engine.vllm.seed + i + 1009 * self.start_step))
         return engines
 
     def _build_trainer(self) -> Any:
@@ -318,6 +420,11 @@ class Pipeline:
             self._failure.set_result(exc)
 
     async def _main(self) -> None:
+        if self._handle_signals:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            self._signals_installed = True
         self.lag.start()
         self._t_start = time.monotonic()
         # engines may have served earlier runs: this run's busy time counts from here
@@ -363,51 +470,91 @@ class Pipeline:
         return prompt
 
     async def _admission_loop(self) -> None:
-        """Consumes prompts; produces one group task per admitted group; waits on the admission bound."""
-        for item in self.source:
+        """Consumes ledger ids (stream positions); produces one group task per admitted group; waits on admission."""
+        while (gid := self.ledger.next_id()) is not None:
             try:
-                prompt = self._to_prompt(item)
+                prompt = self._to_prompt(self.source.item_at(gid))
             except PromptError as e:  # one malformed prompt is refused, not the run
                 self.prompts_refused["malformed"] += 1
-                log.warning("prompt_refused", reason=str(e))
+                self.ledger.settle(gid, "refused", "malformed")
+                log.warning("prompt_refused", group_id=gid, reason=str(e))
                 continue
-            adm = await self.buffer.admit()
+            adm = await self.buffer.admit(gid)
             if adm is None:
+                self.ledger.give_back(gid)
                 return
-            self._live[adm.group_id] = (prompt, adm.version, adm.t_admitted)
-            self._spawn(self._group_task(adm, prompt), f"group-{adm.group_id}")
+            crash_point("admission")
+            self.ledger.set_state(gid, "in_flight")
+            self._live[gid] = (prompt, adm.version, adm.t_admitted)
+            self._spawn(self._group_task(adm, prompt), f"group-{gid}")
         await self.buffer.finish_admission()
-        log.info("prompts_exhausted", position=self.source.position)
+        log.info("prompts_exhausted", cursor=self.ledger.cursor)
 
     def _pick_engine(self) -> Engine:
-        return min(self.engines, key=lambda e: self._engine_load[e.name])
+        if not self._healthy:
+            raise EngineDeadError(f"no engine is left in rotation ({', '.join(e.name for e in self.engines)} "
+                                  f"failed engine.max_consecutive_errors = {self.config.engine.max_consecutive_errors} "
+                                  "calls in a row); see events.jsonl for their errors")
+        return min(self._healthy, key=lambda e: self._engine_load[e.name])
+
+    def _engine_failed(self, engine: Engine, error: BaseException) -> None:
+        """Count a failed call; an engine dead, or failing too often in a row, leaves the rotation."""
+        self._engine_errors[engine.name] += 1
+        dead = isinstance(error, EngineDeadError)
+        if (dead or self._engine_errors[engine.name] >= self.config.engine.max_consecutive_errors) \
+                and engine in self._healthy:
+            self._healthy.remove(engine)
+            log.error("engine_out_of_rotation", engine=engine.name, consecutive_errors=self._engine_errors[engine.name],
+                      error=repr(error), engines_left=[e.name for e in self._healthy])
+
+    async def _generate(self, adm: Admission, request: GroupRequest) -> Generation | None:
+        """One group from the engines: retried (with backoff, on the least loaded engine) until it
+        succeeds or engine.retries are spent; None means it failed for good (already settled)."""
+        ec = self.config.engine
+        attempt = 0
+        while True:
+            engine = self._pick_engine()
+            self._engine_load[engine.name] += 1
+            try:
+                async with asyncio.timeout(ec.request_timeout_s):
+                    gen = await engine.generate(request, self._adapters[adm.version])
+                self._engine_errors[engine.name] = 0
+                return gen
+            except (RecoverableError, TimeoutError, EngineDeadError, RuntimeError, ValueError, OSError) as e:
+                # an engine call failing is this attempt's failure, counted and logged, not the run's
+                reason = "generation_timeout" if isinstance(e, TimeoutError) else "generation_error"
+                self._engine_failed(engine, e)
+                if isinstance(e, EngineDeadError) and self._healthy:
+                    continue  # another engine takes it; a dead engine's calls do not use up retries
+                if attempt >= ec.retries or not self._healthy:
+                    log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason,
+                                attempts=attempt + 1, error=repr(e))
+                    await self._settle_failed(adm.group_id, reason, None, None)
+                    if not self._healthy:
+                        self._pick_engine()  # raises: nothing can generate any more
+                    return None
+                self._retries += 1
+                log.info("generation_retry", group_id=adm.group_id, engine=engine.name, attempt=attempt + 1,
+                         reason=reason, error=repr(e))
+                await asyncio.sleep(ec.retry_backoff_s * 2 ** attempt)
+                attempt += 1
+            finally:
+                self._engine_load[engine.name] -= 1
 
     async def _group_task(self, adm: Admission, prompt: Prompt) -> None:
         """Generates, scores and buffers one group; every outcome leaves through _settle."""
         cfg = self.config
-        engine = self._pick_engine()
         seed = (cfg.seed * 1_000_003 + adm.group_id) % 2**31 if cfg.sampling.per_request_seed else None
         request = GroupRequest(adm.group_id, prompt, cfg.sampling.n, cfg.sampling.max_new_tokens, seed)
-        adapter = self._adapters[adm.version]
-        self._engine_load[engine.name] += 1
-        gen: Generation | None = None
-        try:
-            async with asyncio.timeout(cfg.engine.request_timeout_s):
-                gen = await engine.generate(request, adapter)
-        except FatalError:
-            raise
-        except (RecoverableError, asyncio.TimeoutError, RuntimeError, ValueError, OSError) as e:
-            # an engine call failing is this group's failure, counted and logged, not the run's
-            reason = "generation_timeout" if isinstance(e, asyncio.TimeoutError) else "generation_error"
-            log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason, error=repr(e))
-            await self._settle_failed(adm.group_id, reason, None, None)
+        gen = await self._generate(adm, request)
+        if gen is None:
             return
-        finally:
-            self._engine_load[engine.name] -= 1
+        crash_point("group.after_generate")
+        engine = gen.engine
         self.timeline["generation"].append((gen.t_start, gen.t_end))
         if gen.version != adm.version or len(gen.completions) != request.n:
             self._version_mismatches += gen.version != adm.version
-            log.error("generation_contract_broken", group_id=adm.group_id, engine=engine.name,
+            log.error("generation_contract_broken", group_id=adm.group_id, engine=engine,
                       asked_version=adm.version, got_version=gen.version, completions=len(gen.completions))
             await self._settle_failed(adm.group_id, "version_mismatch" if gen.version != adm.version
                                       else "wrong_completion_count", gen, None)
@@ -429,6 +576,7 @@ class Pipeline:
             return
         try:
             await self.buffer.put(group)
+            self.ledger.set_state(adm.group_id, "buffered")
         except BufferClosed:
             # shutting down: keep what was produced in the log
             self.buffer.settle_in_flight(adm.group_id, "shutdown")
@@ -454,13 +602,14 @@ class Pipeline:
                 rewards: np.ndarray | None) -> None:
         """The one exit of a group from the system: its RolloutLog entry."""
         prompt, version, t_adm = self._live.pop(group_id)
+        self.ledger.settle(group_id, fate, reason)
         self.rollout_log.append(GroupOutcome(group_id, prompt, version, fate, reason, step, gen, rewards,
                                              t_adm, time.monotonic()))
 
     async def _adapter_loop(self) -> None:
         """Consumes published versions; produces the serving version; waits on publishes and engine loads."""
         K = self.config.pipeline.max_staleness
-        served = 0
+        served = self.start_version
         while True:
             await self._published.wait()
             self._published.clear()
@@ -468,7 +617,19 @@ class Pipeline:
             if newest <= served:
                 continue
             ref = self._adapters[newest]
-            await asyncio.gather(*(e.load_adapter(ref) for e in self.engines))
+            try:
+                # the directory is checked against its manifest before any engine reads it
+                await asyncio.to_thread(self.store.verify_dir, ref.path)
+                await self._load_on_engines(ref)
+            except (AdapterError, OSError) as e:
+                # keep serving the last good version while the staleness bound allows; then stop clearly
+                self._load_failures[newest] = repr(e)
+                log.error("adapter_load_failed", version=newest, path=ref.path, error=str(e), serving=served)
+                if newest - served > K:
+                    raise AdapterError(f"engines could not load adapter versions {served + 1}..{newest} "
+                                       f"(last: {ref.path}: {e}); version {served} is the newest they serve and "
+                                       f"max_staleness = {K} allows no older data") from e
+                continue
             self.publish_to_loaded[newest] = time.monotonic() - self._publish_t[newest]
             served = newest
             structlog.contextvars.bind_contextvars(policy_version=served)
@@ -493,12 +654,67 @@ class Pipeline:
         finally:
             bar.close()
 
+    async def _until_stopped(self, coro: Any) -> Any:
+        """Await `coro` unless a stop is requested first (then cancel it and return _DONE)."""
+        if self._stop.is_set():
+            coro.close()
+            return _DONE
+        task = asyncio.ensure_future(coro)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # no orphan: a get_batch left running could take groups nobody trains
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self._on_cancel_result(task.result())  # it finished as we were cancelled
+            raise
+        finally:
+            stop.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, BufferClosed):
+            if asyncio.current_task().cancelling():  # we are being cancelled ourselves
+                raise
+        return _DONE
+
+    def _on_cancel_result(self, sel: Any) -> None:
+        """A batch was selected just as the train loop was cancelled: shutdown accounts for it."""
+        for g, reason in sel.dropped:
+            self._record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
+        self._training = sel.groups
+
+    async def _trainer_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A blocking trainer call in a thread, under trainer.step_timeout_s."""
+        timeout = self.config.trainer.step_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await asyncio.to_thread(fn, *args)
+        except TimeoutError:
+            raise TrainerError(f"trainer {what} took longer than trainer.step_timeout_s = {timeout} s") from None
+
+    async def _checkpoint(self, step: int) -> None:
+        """Write the checkpoint of `step`: trainer state and the ledger, with the log rows it covers."""
+        if step == 0 or step == self.checkpoint_step:
+            return  # nothing trained yet, or this step is already checkpointed
+        # one moment on the loop: the ledger and the RolloutLog agree on what has settled
+        state = {"ledger": self.ledger.snapshot(), "log_rows": len(self.rollout_log), "version": self.trainer.version,
+                 "metrics_rows": len(self.metrics_rows), "wall_s": self._wall0 + time.monotonic() - self._t_start}
+        await asyncio.to_thread(self.rollout_log.flush)  # rows [0, log_rows) are durable before the checkpoint
+        await self._trainer_call("checkpoint", self.checkpoints.write, step, state, self.trainer.save_state)
+        self.checkpoint_step = step
+
     async def _train_steps(self, bar: Any) -> None:
         pc = self.config.pipeline
-        version = 0
-        for step in range(1, pc.steps + 1):
+        version = self.start_version
+        bar.update(self.start_step)
+        for step in range(self.start_step + 1, pc.steps + 1):
             t_wait = time.monotonic()
-            sel = await self.buffer.get_batch(version)
+            sel = await self._until_stopped(self.buffer.get_batch(version))
+            if sel is _DONE:
+                break
             wait_s = time.monotonic() - t_wait
             for g, reason in sel.dropped:
                 self._record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
@@ -507,13 +723,17 @@ class Pipeline:
                 break
             batch = Batch(step, version, tuple(sel.groups))
             self._training = sel.groups  # abandoned as dropped if the run stops mid-step
+            for g in sel.groups:
+                self.ledger.set_state(g.group_id, "training")
             check: dict[str, float] = {}
             if step == 1 or (pc.logprob_check_every and (step - 1) % pc.logprob_check_every == 0):
                 check = await self._logprob_check(batch)
             with self.trainer_busy:
-                stats = await asyncio.to_thread(self.trainer.step, batch)
+                stats = await self._trainer_call(f"step {step}", self.trainer.step, batch)
+                crash_point("step.after_train")
                 t_pub = time.monotonic()
-                ref = await asyncio.to_thread(self.store.publish, stats.version, self.trainer.save_adapter)
+                ref = await self._trainer_call(f"publish of version {stats.version}", self.store.publish,
+                                               stats.version, self.trainer.save_adapter)
                 publish_s = time.monotonic() - t_pub
             self.timeline["training"].append((stats.t_start, time.monotonic()))
             self._adapters[ref.version] = ref
@@ -523,6 +743,7 @@ class Pipeline:
             self._training = []
             for g in batch.groups:
                 self._record(g.group_id, "trained", "", step, g.generation, g.rewards)
+            crash_point("step.after_record")
             version = stats.version
             row = self._step_row(batch, stats.metrics, check, wait_s, publish_s, ref)
             self.metrics.write(row)
@@ -533,6 +754,35 @@ class Pipeline:
                       train_s=round(stats.t_end - stats.t_start, 3))
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=row["staleness_max"], refresh=False)
+            skips = self.trainer.consecutive_skips
+            if skips >= self.config.trainer.max_consecutive_skips:
+                await self._checkpoint(step)
+                raise TrainerError(f"{skips} training steps in a row had a non-finite loss or gradient "
+                                   f"(trainer.max_consecutive_skips = {self.config.trainer.max_consecutive_skips}); "
+                                   f"stopped after checkpointing step {step}: lower trainer.lr or check the rewards")
+            if pc.checkpoint_every and step % pc.checkpoint_every == 0:
+                await self._checkpoint(step)
+            if self._stop.is_set():
+                break
+        # the end of the run, or a stop request: the state to continue from
+        await self._checkpoint(len(self.metrics_rows) and self.metrics_rows[-1]["step"])
+
+    def request_stop(self, reason: str = "request") -> None:
+        """Stop after the step in progress: checkpoint, record what is in flight, shut down.
+
+        Safe from the event loop's thread (signal handlers, tasks); `run()` returns normally.
+        """
+        if self.stopped_by is None:
+            self.stopped_by = reason
+            log.warning("stop_requested", reason=reason, hint="finishing the step, then checkpointing")
+        self._stop.set()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stopped_by is not None:  # the second signal: exit now; the last checkpoint resumes the run
+            log.error("exiting_now", signal=sig.name, checkpoint_step=self.checkpoint_step)
+            close_logging()
+            os._exit(128 + sig.value)
+        self.request_stop(sig.name)
 
     async def _flush_loop(self) -> None:
         """Consumes the RolloutLog's pending rows; writes them to zarr in a thread about once a second.
@@ -578,14 +828,16 @@ class Pipeline:
         stal = batch.staleness
         rewards = np.concatenate([g.rewards for g in batch.groups])
         c = self.buffer.counts
+        started, trained, dropped, failed = self._totals()
         row: dict[str, Any] = {
-            "step": batch.step, "version": ref.version, "wall_s": wall,
+            "step": batch.step, "version": ref.version, "wall_s": self._wall0 + wall,
             "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
             "staleness_max": int(max(stal)), "staleness_mean": float(np.mean(stal)),
             "groups": len(batch.groups), "tokens": batch.num_tokens,
-            "rollout/started": c.started, "rollout/trained": c.trained, "rollout/in_flight": c.in_flight,
-            "rollout/buffered": c.buffered, "rollout/dropped": sum(c.dropped.values()),
-            "rollout/failed": sum(c.failed.values()), "rollout/version_mismatch": self._version_mismatches,
+            "rollout/started": started, "rollout/trained": trained, "rollout/in_flight": c.in_flight,
+            "rollout/buffered": c.buffered, "rollout/dropped": sum(dropped.values()),
+            "rollout/failed": sum(failed.values()), "rollout/version_mismatch": self._version_mismatches,
+            "rollout/retries": self._retries,
             "rollout/versions_verified": len(batch.groups),
             "time/wait_batch_s": wait_s, "time/publish_s": publish_s,
             "adapter/publish_to_loaded_s": self.publish_to_loaded.get(ref.version - 1, float("nan")),
@@ -606,6 +858,10 @@ class Pipeline:
     async def _shutdown(self, error: BaseException | None) -> None:
         timeout = self.config.pipeline.shutdown_timeout_s
         wall = time.monotonic() - self._t_start
+        if self._signals_installed:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
         if self.buffer is not None:
             left, _ = await self.buffer.close()
             for g in left:
@@ -665,23 +921,48 @@ class Pipeline:
                                                             "accounting_ok", "error")})
         close_logging()
 
+    def _totals(self) -> tuple[int, int, Counter[str], Counter[str]]:
+        """Groups started, trained, dropped and failed (by reason) over the whole run, every session."""
+        c = self.buffer.counts
+        dropped, failed = Counter(c.dropped), Counter(c.failed)
+        for key, n in self._base.items():
+            fate, _, reason = key.partition(":")
+            if fate == "dropped":
+                dropped[reason] += n
+            elif fate == "failed":
+                failed[reason] += n
+        trained = c.trained + self._base["trained"]
+        started = c.started + sum(n for k, n in self._base.items() if k != "refused")
+        return started, trained, dropped, failed
+
     def _summary(self, wall: float, error: BaseException | None) -> dict[str, Any]:
         c = self.buffer.counts
         rows = self.metrics_rows
         window = max(1, len(rows) // 5)
-        trained_tokens = sum(r["tokens"] for r in rows)
+        session_rows = [r for r in rows if r["step"] > self.start_step]
+        trained_tokens = sum(r["tokens"] for r in session_rows)
         logged = len(self.rollout_log) if self.rollout_log is not None else 0
+        started, trained, dropped, failed = self._totals()
+        live = c.in_flight + c.buffered + c.training
         return {
             "steps": len(rows),
             "wall_s": wall,
             "setup_s": self.setup_s,
-            "groups_started": c.started,
-            "groups_trained": c.trained,
-            "groups_dropped": dict(c.dropped),
-            "groups_failed": dict(c.failed),
+            "groups_started": started,
+            "groups_trained": trained,
+            "groups_dropped": dict(dropped),
+            "groups_failed": dict(failed),
             "groups_logged": logged,
-            "prompts_refused": sum(self.prompts_refused.values()),
-            "accounting_ok": c.balanced() and c.in_flight == c.buffered == c.training == 0 and logged == c.started,
+            "prompts_refused": sum(self.prompts_refused.values()) + self._base["refused"],
+            "accounting_ok": live == 0 and started == trained + sum(dropped.values()) + sum(failed.values())
+            and logged == started,
+            "ledger": {"cursor": self.ledger.cursor, **self.ledger.states()},
+            "resumed_from_step": self.start_step if self._resume else None,
+            "checkpoint_step": self.checkpoint_step,
+            "stopped_by": self.stopped_by,
+            "engines_out_of_rotation": [e.name for e in self.engines if e not in self._healthy],
+            "adapter_load_failures": dict(self._load_failures),
+            "generation_retries": self._retries,
             "groups_per_s": c.trained / max(wall, 1e-9),
             "tokens_per_s": trained_tokens / max(wall, 1e-9),
             "reward_first_window": float(np.mean([r["reward_mean"] for r in rows[:window]])) if rows else None,

@@ -41,6 +41,7 @@ import structlog
 import zarr
 
 from pipeline.errors import ConfigError
+from pipeline.faults import crash_point
 from pipeline.types import GroupOutcome
 
 log = structlog.get_logger(__name__)
@@ -285,7 +286,9 @@ class RolloutLog:
             self._write_section("tokens", columns, c, new)
             self._write_section("completions", columns, c, new)
             self._write_section("groups", columns, c, new)
+            crash_point("log.mid_flush")
             self._commit(new)
+            crash_point("log.after_commit")
             self._committed = new
             with self._pending_lock:
                 del self._pending[: len(rows)]
@@ -306,6 +309,42 @@ class RolloutLog:
     def _commit(self, new: dict[str, int]) -> None:
         # The single point at which the new rows become visible to readers.
         self._group.attrs["committed"] = new
+
+    def truncate(self, groups: int) -> int:
+        """Keep only the first `groups` groups (resume: what came after the checkpoint is redone).
+
+        Returns how many groups were cut. Pending rows are refused: flush or close first.
+        """
+        with self._flush_lock, self._pending_lock:
+            if self._pending:
+                raise RuntimeError(f"rollout log {self.path}: truncate with {len(self._pending)} rows pending")
+            c = self._committed
+            if not 0 <= groups <= c["groups"]:
+                raise ValueError(f"rollout log {self.path} has {c['groups']} groups, cannot keep {groups}")
+            if groups == c["groups"]:
+                return 0
+            a = self._arrays
+            if groups == 0:
+                new = {"groups": 0, "completions": 0, "prompt_tokens": 0, "tokens": 0}
+            else:
+                g = groups - 1
+                completions = int(a["comp_off"][g]) + int(a["comp_count"][g])
+                tokens = int(a["tok_off"][completions - 1]) + int(a["tok_len"][completions - 1]) if completions else 0
+                new = {"groups": groups, "completions": completions, "tokens": tokens,
+                       "prompt_tokens": int(a["prompt_tok_off"][g]) + int(a["prompt_tok_len"][g])}
+            self._commit(new)  # readers see the shorter log from here; the arrays are trimmed after
+            self._committed = new
+            for arrays, _, key in _SECTIONS.values():
+                for name in arrays:
+                    self._arrays[name].resize((new[key],))
+            cut = c["groups"] - groups
+            self._ids = set(a["group_id"][:groups].tolist())
+            fates = a["fate"][:groups].astype(object)
+            reasons = a["reason"][:groups].astype(object)
+            self._fates = Counter(fates.tolist())
+            self._reasons = Counter(f"{f}:{r}" for f, r in zip(fates, reasons))
+        log.warning("rollout_log_truncated", path=str(self.path), kept=groups, cut=cut)
+        return cut
 
     def close(self) -> None:
         """Flush and stop accepting outcomes; calling it again does nothing."""

@@ -1,7 +1,8 @@
 """Prompt sources and the built-in tasks.
 
 A prompt source yields `Prompt`s in epochs (reshuffled each epoch from a seed), so a run can
-cycle a small data set, and it can say where it is (`position`) so a resumed run continues.
+cycle a small data set; `item_at(position)` gives the item at any stream position, so a group
+id (a position) names the same prompt in every session of a resumed run.
 
 Built-in tasks are small enough for a random-weight tiny model to learn on a CPU in minutes:
 - `char_class`: the prompt names a character class (digits or vowels); the reward is the share
@@ -102,6 +103,22 @@ class PromptSource:
     def seek(self, epoch: int, index: int) -> None:
         self.epoch, self.index = epoch, index
         self._order = self._make_order(epoch)
+
+    @property
+    def total(self) -> int | None:
+        """Items in the whole stream (epochs x items), None when it cycles forever."""
+        return None if self.epochs is None else self.epochs * len(self.items)
+
+    def item_at(self, position: int) -> Any:
+        """Item `position` of the stream (the same item `position` steps of iteration reach)."""
+        if position < 0 or (self.total is not None and position >= self.total):
+            raise IndexError(f"stream position {position} is outside [0, {self.total})")
+        epoch, index = divmod(position, len(self.items))
+        if epoch != self.epoch:  # one shuffle per epoch, cached: positions arrive nearly in order
+            self._order = self._make_order(epoch)
+            self.epoch = epoch
+        self.index = index + 1
+        return self.items[self._order[index]]
 
     def __iter__(self) -> Iterator[Any]:
         return self

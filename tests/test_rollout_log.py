@@ -146,6 +146,34 @@ def test_reopen_continues_appending_and_remembers_ids(tmp_path: Path) -> None:
     assert r.attrs["meta"] == {"a": 1, "b": 2}
 
 
+@pytest.mark.parametrize("keep", [0, 1, 4, 6])
+def test_truncate_keeps_a_prefix_and_appends_after_it(tmp_path: Path, keep: int) -> None:
+    path = tmp_path / "r.zarr"
+    rows = [make_outcome(i, ("trained", "dropped", "failed")[i % 3], lengths=(i + 1, 2)) for i in range(6)]
+    with RolloutLog(path) as log:
+        for o in rows:
+            log.append(o)
+    log = RolloutLog(path)
+    log.append(make_outcome(50))
+    with pytest.raises(RuntimeError, match="pending"):
+        log.truncate(keep)
+    log.flush()
+    assert log.truncate(keep) == 7 - keep
+    assert len(log) == keep and sum(log.counts().values()) == keep
+    # a cut group may be logged again (a resumed run redoes it); a kept one may not
+    again = [make_outcome(5, lengths=(7,))] if keep <= 5 else []
+    for o in again + [make_outcome(100)]:
+        log.append(o)
+    with pytest.raises(ValueError, match="already"):
+        log.append(make_outcome(0) if keep else make_outcome(100))
+    log.close()
+    r = read_rollouts(path)
+    expected = rows[:keep] + again + [make_outcome(100)]
+    assert r.num_groups == len(expected)
+    for i, o in enumerate(expected):
+        assert_group_equal(r.group(i), o)
+
+
 def test_auto_flush_close_and_reader_sees_only_flushed(tmp_path: Path) -> None:
     path = tmp_path / "r.zarr"
     log = RolloutLog(path, flush_every=3)

@@ -5,6 +5,8 @@ asked for, abort on cancel) so the orchestrator, tests and benchmarks can run wi
 Speed: each group takes `latency_s`; at most `concurrency` groups run at once (0 = unlimited),
 so `concurrency / latency_s` groups per second is the generator's standalone rate.
 Tokens are deterministic in (seed, group id, version, request seed): a test can tell versions apart.
+Fault injection: a share `fail_rate` of calls raises GenerationError and a share `hang_rate`
+never returns (until cancelled), drawn from the engine's own seeded generator.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import numpy as np
 
 from pipeline.config import SimulatedEngineConfig
-from pipeline.errors import EngineDeadError
+from pipeline.errors import EngineDeadError, GenerationError
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
 
@@ -36,6 +38,8 @@ class SimulatedEngine:
         self._closed = False
         self._tokens: np.ndarray | None = None
         self._logprobs: np.ndarray | None = None
+        self._faults = np.random.default_rng([seed, 0xFA17])
+        self.stats.update({"injected_failures": 0, "injected_hangs": 0})
 
     async def start(self) -> None:
         return None
@@ -65,6 +69,14 @@ class SimulatedEngine:
             await self.load_adapter(adapter)
         self.stats["requests"] += 1
         t_start = time.monotonic()
+        if self.cfg.fail_rate or self.cfg.hang_rate:
+            u = self._faults.random()
+            if u < self.cfg.fail_rate:
+                self.stats["injected_failures"] += 1
+                raise GenerationError(f"engine {self.name}: injected failure (group {request.group_id})")
+            if u < self.cfg.fail_rate + self.cfg.hang_rate:
+                self.stats["injected_hangs"] += 1
+                await asyncio.get_running_loop().create_future()  # hangs until the caller's timeout cancels it
         try:
             if self._slots is not None:
                 await self._slots.acquire()
