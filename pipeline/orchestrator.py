@@ -726,7 +726,7 @@ class Pipeline:
             for g in sel.groups:
                 self.ledger.set_state(g.group_id, "training")
             check: dict[str, float] = {}
-            if step == 1 or (pc.logprob_check_every and (step - 1) % pc.logprob_check_every == 0):
+            if step == self.start_step + 1 or (pc.logprob_check_every and (step - 1) % pc.logprob_check_every == 0):
                 check = await self._logprob_check(batch)
             with self.trainer_busy:
                 stats = await self._trainer_call(f"step {step}", self.trainer.step, batch)

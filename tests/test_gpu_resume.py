@@ -1,0 +1,119 @@
+"""The whole loop on GPUs (vLLM engine, LoRA trainer in its own process), stopped by SIGTERM and resumed.
+
+Marked `gpu`: skips without CUDA and vLLM. With two GPUs the engine takes cuda:0 and the trainer
+cuda:1; with one they share it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_engine_contract import VLLM_WARNING_FILTERS, vllm_unavailable
+
+from pipeline.adapter_store import AdapterStore
+from pipeline.checkpoint import CheckpointStore
+from pipeline.metrics import read_jsonl
+from pipeline.rollout_log import read_rollouts
+
+pytestmark = [pytest.mark.gpu, *VLLM_WARNING_FILTERS]
+
+ROOT = Path(__file__).resolve().parent.parent
+B, STEPS, K = 8, 6, 1
+
+
+def _config(cache: Path, trainer_device: str, util: float) -> str:
+    return f"""
+seed = 1
+[model]
+shape = "small"
+cache_dir = "{cache}"
+dtype = "bfloat16"
+[task]
+num_prompts = {B * STEPS}
+[sampling]
+n = 4
+max_new_tokens = 32
+[engine]
+kind = "vllm"
+devices = ["cuda:0"]
+[engine.vllm]
+gpu_memory_utilization = {util}
+enforce_eager = true
+max_model_len = 512
+[trainer]
+device = "{trainer_device}"
+separate_process = true
+lr = 1e-4
+[pipeline]
+steps = {STEPS}
+batch_groups = {B}
+max_staleness = {K}
+checkpoint_every = 2
+[log]
+level = "warning"
+progress = false
+"""
+
+
+def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, limit_s: float = 400) -> None:
+    deadline = time.monotonic() + limit_s
+    path = out / "metrics.jsonl"
+    while not (path.exists() and path.read_text().count("\n") >= steps):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {steps} steps within {limit_s} s"
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(vllm_unavailable() is not None, reason=str(vllm_unavailable()))
+def test_sigterm_then_resume_on_gpus_trains_every_prompt_once(tmp_path: Path) -> None:
+    import torch
+
+    two = torch.cuda.device_count() >= 2
+    cfg = tmp_path / "gpu.toml"
+    cfg.write_text(_config(tmp_path / "models", "cuda:1" if two else "cuda:0", 0.4 if two else 0.3))
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "PIPELINE_CRASH_AT"}
+    proc = subprocess.Popen([sys.executable, "run.py", "--config", str(cfg), "--out", str(out)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    first = json.loads((out / "summary.json").read_text())
+    assert first["stopped_by"] == "SIGTERM" and first["accounting_ok"], first
+    assert 3 <= first["checkpoint_step"] < STEPS
+
+    resumed = subprocess.run([sys.executable, "run.py", "--resume", str(out)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["accounting_ok"] and s["steps"] == STEPS and s["resumed_from_step"] == first["checkpoint_step"], s
+    r = read_rollouts(out / "rollouts.zarr")
+    ids = r.groups["group_id"].tolist()
+    assert len(ids) == len(set(ids))
+    fate = r.groups["fate"].tolist()
+    assert sorted(i for i, f in zip(ids, fate) if f == "trained") == list(range(B * STEPS))
+    for st, v, f in zip(r.groups["step"].tolist(), r.groups["version"].tolist(), fate):
+        if f == "trained":
+            assert 0 <= (st - 1) - v <= K
+    assert Counter(st for st, f in zip(r.groups["step"].tolist(), fate) if f == "trained") == \
+        {st: B for st in range(1, STEPS + 1)}
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    # the engine served the versions the ledger says, and they match the trainer's log-probs
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(row["rollout/version_mismatch"] == 0 for row in rows)
+    checks = [row["check/mean_abs_diff"] for row in rows if "check/mean_abs_diff" in row]
+    assert checks and max(checks) < 0.1, checks
+    store = AdapterStore(out / "adapters", readonly=True)
+    assert max(store.versions()) == STEPS
+    assert CheckpointStore(out / "checkpoints").latest().step == STEPS
+    print(f"gpu resume: stopped at step {first['checkpoint_step']}, resumed to {STEPS}; "
+          f"logprob check mean |d| {checks}; wall {first['wall_s']:.1f} s + {s['wall_s']:.1f} s")
