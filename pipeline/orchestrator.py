@@ -331,15 +331,30 @@ class Pipeline:
         if hasattr(self, "_healthy"):
             self._pick_engine()  # raises if no engine is left
 
+    async def _unload_on_engines(self, ref: AdapterRef, engines: Sequence[Engine]) -> None:
+        """Free `ref` on each engine, each under engine.load_timeout_s; a failure costs memory, not the run."""
+        timeout = self.config.engine.load_timeout_s
+
+        async def one(e: Engine) -> None:
+            async with asyncio.timeout(timeout):
+                await e.unload_adapter(ref)
+
+        results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+        for e, r in zip(engines, results):
+            if isinstance(r, Exception):
+                log.warning("adapter_unload_failed", engine=e.name, adapter=ref.name, error=repr(r))
+
     def _share_cpu(self) -> None:
         """Engine and trainer both computing on the CPU: give each half the cores.
 
         Two torch threads that each run a full-width OpenMP team oversubscribe the cores, and
         the spinning teams slowed the tiny model's decoding by up to 100x on a 2-core machine.
+        Also at max_staleness 0, where they take turns: the tiny model's ops are too small for
+        a second thread to pay (vs_trl on 2 cores: 207 samples/s with both, 354 with half).
         """
         cfg = self.config
         if cfg.trainer.device == "cpu" and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \
-                and "cpu" in cfg.engine.devices and cfg.pipeline.max_staleness > 0:
+                and "cpu" in cfg.engine.devices:
             import os
 
             import torch
@@ -638,7 +653,7 @@ class Pipeline:
             keep_from = min(self.buffer.in_flight_versions() + [served - K])
             for v in [v for v in self._adapters if 0 < v < keep_from]:
                 old = self._adapters.pop(v)
-                await asyncio.gather(*(e.unload_adapter(old) for e in self.engines))
+                await self._unload_on_engines(old, self._healthy)
             await asyncio.to_thread(self.store.prune, keep_from)
 
     async def _train_loop(self) -> None:
@@ -885,11 +900,7 @@ class Pipeline:
         if self._user_engines and self.buffer is not None:
             # leave a caller's engine as it was found: without this run's adapters
             for ref in [r for v, r in self._adapters.items() if v > 0]:
-                results = await asyncio.gather(*(e.unload_adapter(ref) for e in self._user_engines),
-                                               return_exceptions=True)
-                for e, r in zip(self._user_engines, results):
-                    if isinstance(r, Exception):
-                        log.warning("adapter_unload_failed", engine=e.name, adapter=ref.name, error=repr(r))
+                await self._unload_on_engines(ref, self._user_engines)
         if self._threads_before is not None:
             import torch
 
