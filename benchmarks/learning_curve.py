@@ -80,9 +80,11 @@ async def main(args: argparse.Namespace) -> dict:
         print(f"vLLM engine started in {time.monotonic() - t:.1f} s", flush=True)
         engines = [engine]
     runs = {}
+    runs_root = Path("runs") / f"learning_curve-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         for label, lr in (("trained", cfg.trainer.lr if args.lr is None else args.lr), ("lr0", 0.0)):
-            run_cfg = replace(cfg, trainer=replace(cfg.trainer, lr=lr), out=str(out / f"run_{label}"))
+            # the run directories (zarr, adapters, checkpoints) go under runs/, not beside the results
+            run_cfg = replace(cfg, trainer=replace(cfg.trainer, lr=lr), out=str(runs_root / f"run_{label}"))
             p = Pipeline(run_cfg, engines=engines, console=args.verbose)
             t = time.monotonic()
             summary = await p.run()

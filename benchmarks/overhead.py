@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--completion-tokens", type=int, default=16, help="tokens per simulated completion")
     p.add_argument("--warmup-steps", type=int, default=3)
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints (default 0: only at the end, outside the window; a "
+                        "checkpoint is disk I/O, fsyncs included, not the loop's own cost)")
     p.add_argument("--cpus", type=int, default=1, help="pin to this many cores first (0 = leave as is)")
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
     p.add_argument("--profile-top", type=int, default=25, help="functions kept in the profile summary")
@@ -143,7 +146,7 @@ async def measure(args: argparse.Namespace, n: int, B: int, groups: int, reward:
         "engine.simulated.latency_s": 0.0, "engine.simulated.concurrency": 0,
         "engine.simulated.completion_tokens": args.completion_tokens, "trainer.step_s": 0.0,
         "pipeline.steps": steps, "pipeline.batch_groups": B, "pipeline.max_staleness": args.max_staleness,
-        "sampling.n": n, "sampling.max_new_tokens": args.completion_tokens, "log.progress": False,
+        "pipeline.checkpoint_every": args.checkpoint_every, "sampling.n": n, "sampling.max_new_tokens": args.completion_tokens, "log.progress": False,
         "log.level": "warning"})
     p = Pipeline(cfg, prompts=PROMPTS, reward=reward, tokenizer=False, console=False)
     mark: dict[str, float] = {}
@@ -306,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     name = f"{BENCHMARK}_{common.hardware_tag(hw)}-pin{args.cpus}{'_quick' if args.quick else ''}"
     record = {**common.header(BENCHMARK, argv), "hardware": hw, "machine_load": machine_load, "load_note": note,
               "settings": {k: getattr(args, k) for k in ("sizes", "groups", "batch_groups", "max_staleness",
-                                                         "completion_tokens", "warmup_steps", "cpus", "quick")},
+                                                         "completion_tokens", "warmup_steps", "checkpoint_every", "cpus",
+                                                         "quick")},
               **res, "table": tbl, "components_table": ctbl, "printed": text}
     out = Path(args.out)
     record["files"] = {"json": str(out / f"{name}.json")}
