@@ -1,0 +1,37 @@
+"""README's promises that code can check: the embedding example runs, the test command is CI's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_embedding_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    block = README.split("<!-- embed-example", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    assert "pipeline.steps=20" in code and 'out="runs/embedded"' in code
+    code = code.replace("pipeline.steps=20", "pipeline.steps=2").replace(
+        'out="runs/embedded"', f'out="{tmp_path / "run"}"').replace(
+        '"examples/cpu_default.toml"', f'"{ROOT / "examples" / "cpu_default.toml"}"')
+    monkeypatch.chdir(tmp_path)  # the built-in model cache goes here, not into the checkout
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "True"  # pipe.summary["accounting_ok"]
+    assert [line.split()[0] for line in out[:-1]] == ["1", "2"]
+
+
+def test_readme_test_command_is_what_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = 'python -m pytest -m "not gpu" -q'
+    assert command in README and command in ci
+
+
+def test_the_config_reference_is_current() -> None:
+    from pipeline.config import reference_markdown
+
+    assert reference_markdown().strip() in README
