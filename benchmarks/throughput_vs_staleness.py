@@ -105,9 +105,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--ratios", help="several ratios in one go, e.g. 3,1,0.33 (overrides --gen-ratio)")
     s.add_argument("--train-step-s", type=float, default=None, help="simulated trainer seconds per step (0.05)")
     m = p.add_argument_group("real engines (--engine transformers|vllm)")
-    m.add_argument("--trainer-process", choices=("auto", "yes", "no"), default="auto",
-                   help="train in a child process (auto: yes for vllm, where the step's GIL time slows vLLM's "
-                        "output handling on the event loop)")
+    m.add_argument("--trainer-process", choices=("yes", "no"), default="yes",
+                   help="train in a child process (trainer.separate_process, the default); no: in a thread, "
+                        "where the step's GIL time slows the event loop and the engine it drives")
     m.add_argument("--model-shape", help="built-in model shape (default: tiny; vllm: qwen2.5-0.5b)")
     m.add_argument("--model-cache", default=".cache/models", help="where built-in models are built once")
     m.add_argument("--lr", type=float, help="learning rate (default: the trainer config's)")
@@ -360,8 +360,7 @@ class ModelWorkload(Workload):
         o = super().overrides(K, run_dir)
         o.update({"model.path": str(self.model_path), "task.name": "char_class", "trainer.kind": "peft",
                   "trainer.lora_rank": a.lora_rank, "trainer.lora_alpha": a.lora_alpha,
-                  "trainer.separate_process": a.trainer_process == "yes"
-                  or (a.trainer_process == "auto" and self.kind == "vllm")})
+                  "trainer.separate_process": a.trainer_process != "no"})
         if a.lr is not None:
             o["trainer.lr"] = a.lr
         return o
@@ -602,6 +601,10 @@ async def run_one(w: Workload, K: int, run_dir: Path) -> dict[str, Any]:
                            f"{cfg.pipeline.steps}, accounting_ok {s['accounting_ok']}, error {s['error']} "
                            f"(see {p.run_dir}/events.jsonl)")
     out = {"max_staleness": K, "steps": s["steps"], **window_figures(p, w.args.warmup_steps)}
+    # engine vs trainer log-probs of the groups the run's own checks recomputed (check/* rows)
+    checks = [row for row in p.metrics_rows if "check/mean_abs_diff" in row]
+    out["logprob_check"] = {k: float(np.mean([row[f"check/{k}"] for row in checks]))
+                            for k in ("mean_abs_diff", "max_abs_diff", "kl") if checks and f"check/{k}" in checks[0]}
     p2l = np.asarray(list(p.publish_to_loaded.values()), dtype=np.float64) * 1000.0
     rewards = [row["reward_mean"] for row in p.metrics_rows]
     tail = max(1, len(rewards) // REWARD_WINDOW)

@@ -244,7 +244,7 @@ class TrainerConfig:
     micro_batch_sequences: int = 64  # sequences per forward/backward (gradient accumulation)
     dtype: Literal["float32", "bfloat16"] = "float32"  # base weights; LoRA weights are always float32
     step_s: float = 0.0  # simulated trainer only: seconds per step
-    separate_process: bool = False  # train in a child process, so steps never hold the event loop's GIL
+    separate_process: bool = True  # train in a child process, so steps never hold the event loop's GIL
     max_consecutive_skips: int = 3  # this many non-finite steps in a row stop the run (after a checkpoint)
     step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
 
