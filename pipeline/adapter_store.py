@@ -434,7 +434,7 @@ class AdapterStore:
             except RuntimeError:  # the waiter's loop is closed: nobody is left to wake
                 pass
         ref = AdapterRef(version=version, name=final.name, path=str(final), sha256=digest)
-        log.info("adapter_published", version=version, name=final.name, seconds=round(time.monotonic() - t0, 4))
+        log.debug("adapter_published", version=version, name=final.name, seconds=round(time.monotonic() - t0, 4))
         return ref
 
     def _take_back(self, final: Path) -> None:
@@ -547,7 +547,7 @@ class AdapterStore:
                 self._delete_version(found[version])
                 deleted.append(version)
         if deleted:
-            log.info("adapter_pruned", versions=deleted, keep_from=keep_from)
+            log.debug("adapter_pruned", versions=deleted, keep_from=keep_from)
         return deleted
 
     def discard_after(self, version: int) -> list[int]:

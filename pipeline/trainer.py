@@ -266,7 +266,7 @@ class LoRATrainer:
         }
         _write_synced(directory / "trainer.json", json.dumps(meta, indent=1).encode())
         _fsync_dir(directory)
-        log.info("trainer_state_saved", path=str(directory), version=self.version)
+        log.debug("trainer_state_saved", path=str(directory), version=self.version)
 
     def load_state(self, directory: Path) -> None:
         """Restore a state written by `save_state` (after `setup()`; blocking).

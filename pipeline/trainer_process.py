@@ -39,6 +39,12 @@ def _serve(conn: Connection, args: tuple, kwargs: dict) -> None:
     import os
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import logging
+
+    import structlog
+
+    # the child has no run-directory handlers: its own console lines stay at warnings and errors
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     from pipeline.trainer import LoRATrainer
 
     trainer = LoRATrainer(*args, **kwargs)
