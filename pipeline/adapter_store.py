@@ -50,6 +50,9 @@ from typing import Any, Callable, Mapping
 
 import structlog
 
+from pipeline.durable import fsync_dir as _fsync_dir
+from pipeline.durable import fsync_file as _fsync_file
+from pipeline.durable import sha256_file as _sha256_file
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, StoreError
 from pipeline.faults import crash_point
 from pipeline.types import AdapterRef
@@ -63,20 +66,10 @@ TMP_PREFIX = ".tmp-"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")  # torch.load/pickle can run code
 _NAME_RE = re.compile(r"^v(\d{6,})-([0-9a-f]{8})$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
-_CHUNK = 1 << 20
 
 
 def _dir_name(version: int, content_sha256: str) -> str:
     return f"v{version:06d}-{content_sha256[:8]}"
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    # O_NOFOLLOW: a file swapped for a symlink after it was checked still cannot be read through
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def content_hash(files: Mapping[str, str]) -> str:
@@ -85,23 +78,6 @@ def content_hash(files: Mapping[str, str]) -> str:
     for name in sorted(files):
         h.update(f"{name}\0{files[name]}\n".encode())
     return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a created file, a rename) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _errno_text(e: OSError) -> str:
@@ -439,13 +415,10 @@ class AdapterStore:
 
     def _take_back(self, final: Path) -> None:
         """Remove a version directory whose publish failed after its rename (best effort)."""
-        doomed = self.root / f"{TMP_PREFIX}del-{final.name}-{uuid.uuid4().hex}"
         try:
-            os.rename(final, doomed)
-        except OSError as e:  # the publish already failed and says so; this only adds the leftover
-            log.error("adapter_take_back_failed", path=str(final), error=_errno_text(e))
-            return
-        shutil.rmtree(doomed, ignore_errors=True)  # a leftover .tmp-* is never listed and goes on open
+            self._delete_version([final.name])
+        except StoreError as e:  # the publish already failed and says so; this only adds the leftover
+            log.error("adapter_take_back_failed", path=str(final), error=str(e))
 
     @staticmethod
     def _hash_new_files(tmp: Path) -> dict[str, str]:

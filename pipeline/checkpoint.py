@@ -17,7 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from typing import Any, Callable
 
 import structlog
 
+from pipeline.durable import fsync_dir, fsync_file, sha256_file, write_synced
 from pipeline.errors import StoreError
 from pipeline.faults import crash_point
 
@@ -53,22 +53,6 @@ class Checkpoint:
     @property
     def trainer_dir(self) -> Path:
         return self.path / "trainer"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointStore:
@@ -109,18 +93,16 @@ class CheckpointStore:
             save_trainer(tmp / "trainer")
             crash_point("checkpoint.mid_write")
             (tmp / LEDGER).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **state}), encoding="utf-8")
-            files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+            files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             for name in files:
-                _fsync_path(tmp / name)
-            with open(tmp / MANIFEST, "w", encoding="utf-8") as f:
-                json.dump({"format": FORMAT_VERSION, "step": step, "created": time.time(), "files": files}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_path(tmp / "trainer")
-            _fsync_path(tmp)
+                fsync_file(tmp / name)
+            write_synced(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "created": time.time(),
+                                                     "files": files}).encode())
+            fsync_dir(tmp / "trainer")
+            fsync_dir(tmp)
             crash_point("checkpoint.before_rename")
             os.rename(tmp, final)
-            _fsync_path(self.root)
+            fsync_dir(self.root)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, OSError):
@@ -150,7 +132,7 @@ class CheckpointStore:
             for name, digest in files.items():
                 if "/" in name and (".." in Path(name).parts or name.startswith("/")):
                     raise ValueError(f"file name {name!r} leaves the checkpoint directory")
-                if _sha256(path / name) != digest:
+                if sha256_file(path / name) != digest:
                     raise ValueError(f"{name} does not match its sha256 in the manifest")
             state = json.loads((path / LEDGER).read_text(encoding="utf-8"))
         except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:

@@ -186,13 +186,16 @@ class RolloutLog:
             self._committed = {"groups": 0, "completions": 0, "prompt_tokens": 0, "tokens": 0}
         # Handles are kept: each lookup re-reads metadata, and resize updates a handle in place.
         self._arrays = {name: self._group[name] for arrays, _, _ in _SECTIONS.values() for name in arrays}
-        n = self._committed["groups"]
+        self._load_index(self._committed["groups"])
+        log.info("rollout_log_opened", path=str(self.path), groups=self._committed["groups"])
+
+    def _load_index(self, n: int) -> None:
+        """The ids and fate counters of the first `n` written groups (the caller holds the locks or is __init__)."""
         self._ids: set[int] = set(self._arrays["group_id"][:n].tolist())
         fates = self._arrays["fate"][:n].astype(object)
         reasons = self._arrays["reason"][:n].astype(object)
         self._fates = Counter(fates.tolist())
         self._reasons = Counter(f"{f}:{r}" for f, r in zip(fates, reasons))
-        log.info("rollout_log_opened", path=str(self.path), groups=n)
 
     def _create(self, meta: dict[str, Any] | None) -> zarr.Group:
         group = zarr.open_group(self.path, mode="w-")
@@ -338,11 +341,7 @@ class RolloutLog:
                 for name in arrays:
                     self._arrays[name].resize((new[key],))
             cut = c["groups"] - groups
-            self._ids = set(a["group_id"][:groups].tolist())
-            fates = a["fate"][:groups].astype(object)
-            reasons = a["reason"][:groups].astype(object)
-            self._fates = Counter(fates.tolist())
-            self._reasons = Counter(f"{f}:{r}" for f, r in zip(fates, reasons))
+            self._load_index(groups)
         log.warning("rollout_log_truncated", path=str(self.path), kept=groups, cut=cut)
         return cut
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,6 +30,7 @@ import structlog
 import torch
 
 from pipeline.config import LossConfig, TrainerConfig
+from pipeline.durable import fsync_dir, write_synced
 from pipeline.errors import TrainerError
 from pipeline.loss import group_advantages, policy_loss
 from pipeline.models import building_modules, load_causal_lm, pack_sequences, token_logprobs
@@ -257,15 +257,15 @@ class LoRATrainer:
         digests = {}
         for name, tensors in zip(STATE_FILES, (lora, optim, rng)):
             data = save(tensors)
-            _write_synced(directory / name, data)
+            write_synced(directory / name, data)
             digests[name] = hashlib.sha256(data).hexdigest()
         meta = {
             "format": STATE_FORMAT, "version": self.version, "skipped_steps": self.skipped_steps,
             "consecutive_skips": self.consecutive_skips, "lr": self.cfg.lr, "lora_rank": self.cfg.lora_rank,
             "device": self.cfg.device, "parameters": {n: list(p.shape) for n, p in trainable}, "sha256": digests,
         }
-        _write_synced(directory / "trainer.json", json.dumps(meta, indent=1).encode())
-        _fsync_dir(directory)
+        write_synced(directory / "trainer.json", json.dumps(meta, indent=1).encode())
+        fsync_dir(directory)
         log.debug("trainer_state_saved", path=str(directory), version=self.version)
 
     def load_state(self, directory: Path) -> None:
@@ -332,22 +332,6 @@ class LoRATrainer:
 
     def close(self) -> None:
         """Nothing to release beyond memory (the process-based trainer stops its child here)."""
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the directory entries of files just written durable too."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -469,8 +453,8 @@ class SimulatedTrainer:
         if not directory.is_dir():
             raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
         meta = {"format": STATE_FORMAT, "simulated": True, "version": self.version, "step_s": self.step_s}
-        _write_synced(directory / "trainer.json", json.dumps(meta).encode())
-        _fsync_dir(directory)
+        write_synced(directory / "trainer.json", json.dumps(meta).encode())
+        fsync_dir(directory)
 
     def load_state(self, directory: Path) -> None:
         path = Path(directory) / "trainer.json"
