@@ -43,7 +43,7 @@ import os
 import signal
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -54,7 +54,7 @@ import structlog
 
 from pipeline.adapter_store import AdapterStore
 from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
-from pipeline.checkpoint import Checkpoint, CheckpointStore
+from pipeline.checkpoint import CheckpointStore
 from pipeline.config import RunConfig, dump_toml
 from pipeline.engines.base import Engine
 from pipeline.errors import (AdapterError, ConfigError, EngineDeadError, FatalError, PromptError, RecoverableError,
@@ -63,7 +63,7 @@ from pipeline.faults import crash_point
 from pipeline.ledger import Ledger
 from pipeline.log import close_logging, configure_logging
 from pipeline.loss import logprob_mismatch
-from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter
+from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter, read_jsonl
 from pipeline.rewards import RewardFn, RewardScorer
 from pipeline.rollout_log import RolloutLog
 from pipeline.tasks import PromptSource, build_task
@@ -213,7 +213,6 @@ class Pipeline:
         self.source = PromptSource(items, seed=cfg.seed, epochs=self._epochs, shuffle=True)
         self.scorer = RewardScorer(reward, self._reward_weights)
         self._token_cache: dict[str, tuple[int, ...]] = {}
-        self.prompts_refused: Counter[str] = Counter()
 
         # storage, and where a resumed run starts from
         pc = cfg.pipeline
@@ -222,7 +221,6 @@ class Pipeline:
                               f"python run.py --resume {self.run_dir}, or choose another out directory")
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints", keep=pc.keep_checkpoints)
         ck = self.checkpoints.latest() if self._resume else None
-        self._resumed_from: Checkpoint | None = ck
         self.start_step = ck.step if ck else 0
         self.start_version = int(ck.state["version"]) if ck else 0
         self._wall0 = float(ck.state.get("wall_s", 0.0)) if ck else 0.0  # wall time of earlier sessions
@@ -255,6 +253,9 @@ class Pipeline:
         self.engines = self._user_engines or self._build_engines()
         if self._user_engines is None:
             self._built_engines = list(self.engines)
+        self._healthy: list[Engine] = list(self.engines)  # engines in rotation
+        self._engine_errors: dict[str, int] = {e.name: 0 for e in self.engines}  # consecutive failed calls
+        self._engine_load: dict[str, int] = {e.name: 0 for e in self.engines}  # calls in progress
         self.trainer = self._user_trainer or self._build_trainer()
         try:
             async with asyncio.timeout(cfg.engine.start_timeout_s):
@@ -279,8 +280,6 @@ class Pipeline:
                                     start_version=self.start_version)
         # groups of earlier sessions, by fate: the run's totals are these plus this session's
         self._base = Counter(self.ledger.fates)
-        self._healthy: list[Engine] = list(self.engines)  # engines in rotation
-        self._engine_errors: dict[str, int] = {e.name: 0 for e in self.engines}  # consecutive failed calls
         self._published = asyncio.Event()
         self._publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
@@ -289,7 +288,6 @@ class Pipeline:
         self._retries = 0
         self._live: dict[int, tuple[Prompt, int, float]] = {}
         self._training: list[RolloutGroup] = []
-        self._engine_load: dict[str, int] = {e.name: 0 for e in self.engines}
         self._consecutive_failures = 0
         self._version_mismatches = 0
         self.trainer_busy = BusyMeter()
@@ -300,8 +298,6 @@ class Pipeline:
 
     def _keep_metrics(self, step: int) -> list[dict[str, Any]]:
         """Rewrite metrics.jsonl with the rows of steps <= `step` only; return them."""
-        from pipeline.metrics import read_jsonl
-
         path = self.run_dir / "metrics.jsonl"
         rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step] if path.exists() else []
         tmp = path.with_suffix(".jsonl.tmp")
@@ -312,7 +308,7 @@ class Pipeline:
     async def _load_on_engines(self, ref: AdapterRef) -> None:
         """Every engine in rotation loads `ref`, each under engine.load_timeout_s."""
         timeout = self.config.engine.load_timeout_s
-        engines = getattr(self, "_healthy", self.engines)
+        engines = list(self._healthy)
 
         async def one(e: Engine) -> None:
             try:
@@ -323,13 +319,12 @@ class Pipeline:
                                    f"engine.load_timeout_s = {timeout} s") from None
 
         results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
-        for e, r in zip(list(engines), results):
-            if isinstance(r, EngineDeadError) and hasattr(self, "_healthy"):
+        for e, r in zip(engines, results):
+            if isinstance(r, EngineDeadError):
                 self._engine_failed(e, r)  # a dead engine leaves the rotation; the others serve on
             elif isinstance(r, BaseException):
                 raise r
-        if hasattr(self, "_healthy"):
-            self._pick_engine()  # raises if no engine is left
+        self._pick_engine()  # raises if no engine is left
 
     async def _unload_on_engines(self, ref: AdapterRef, engines: Sequence[Engine]) -> None:
         """Free `ref` on each engine, each under engine.load_timeout_s; a failure costs memory, not the run."""
@@ -382,26 +377,26 @@ class Pipeline:
     def _build_engines(self) -> list[Engine]:
         cfg = self.config
         K = cfg.pipeline.max_staleness
-        seed = cfg.seed + 1009 * self.start_step  # a resumed run samples afresh, not the first session's draws
+        offset = 1009 * self.start_step  # a resumed run samples afresh, not the first session's draws
         engines: list[Engine] = []
         for i, dev in enumerate(cfg.engine.devices):
             if cfg.engine.kind == "simulated":
                 from pipeline.engines.simulated import SimulatedEngine
 
-                engines.append(SimulatedEngine(cfg.engine.simulated, seed=seed + i, name=f"simulated-{i}"))
+                engines.append(SimulatedEngine(cfg.engine.simulated, seed=cfg.seed + offset + i, name=f"simulated-{i}"))
             elif cfg.engine.kind == "transformers":
                 from pipeline.engines.transformers import TransformersEngine
 
                 engines.append(TransformersEngine(
                     self.model_path, sampling=cfg.sampling, cfg=cfg.engine.transformers, device=dev,
                     dtype=cfg.model.dtype, max_loaded_adapters=cfg.engine.transformers.max_loaded_adapters or K + 1,
-                    seed=seed + i, name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code))
+                    seed=cfg.seed + offset + i, name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code))
             else:
                 from pipeline.engines.vllm import VLLMEngine
 
                 engines.append(VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=dev,
                                           max_staleness=K, name=f"vllm-{i}",
-                                          seed=cfg.engine.vllm.seed + i + 1009 * self.start_step))
+                                          seed=cfg.engine.vllm.seed + offset + i))
         return engines
 
     def _build_trainer(self) -> Any:
@@ -490,7 +485,6 @@ class Pipeline:
             try:
                 prompt = self._to_prompt(self.source.item_at(gid))
             except PromptError as e:  # one malformed prompt is refused, not the run
-                self.prompts_refused["malformed"] += 1
                 self.ledger.settle(gid, "refused", "malformed")
                 log.warning("prompt_refused", group_id=gid, reason=str(e))
                 continue
@@ -681,7 +675,7 @@ class Pipeline:
         except asyncio.CancelledError:
             task.cancel()  # no orphan: a get_batch left running could take groups nobody trains
             if task.done() and not task.cancelled() and task.exception() is None:
-                self._on_cancel_result(task.result())  # it finished as we were cancelled
+                self._take_selection(task.result())  # it finished as we were cancelled
             raise
         finally:
             stop.cancel()
@@ -695,11 +689,13 @@ class Pipeline:
                 raise
         return _DONE
 
-    def _on_cancel_result(self, sel: Any) -> None:
-        """A batch was selected just as the train loop was cancelled: shutdown accounts for it."""
+    def _take_selection(self, sel: Any) -> None:
+        """Record what the buffer dropped at selection; hold the batch as training (shutdown drops it if need be)."""
         for g, reason in sel.dropped:
             self._record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
         self._training = sel.groups
+        for g in sel.groups:
+            self.ledger.set_state(g.group_id, "training")
 
     async def _trainer_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """A blocking trainer call in a thread, under trainer.step_timeout_s."""
@@ -731,15 +727,11 @@ class Pipeline:
             if sel is _DONE:
                 break
             wait_s = time.monotonic() - t_wait
-            for g, reason in sel.dropped:
-                self._record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
+            self._take_selection(sel)
             if not sel.groups:
                 log.info("out_of_data", step=step)
                 break
             batch = Batch(step, version, tuple(sel.groups))
-            self._training = sel.groups  # abandoned as dropped if the run stops mid-step
-            for g in sel.groups:
-                self.ledger.set_state(g.group_id, "training")
             check: dict[str, float] = {}
             if step == self.start_step + 1 or (pc.logprob_check_every and (step - 1) % pc.logprob_check_every == 0):
                 check = await self._logprob_check(batch)
@@ -964,7 +956,7 @@ class Pipeline:
             "groups_dropped": dict(dropped),
             "groups_failed": dict(failed),
             "groups_logged": logged,
-            "prompts_refused": sum(self.prompts_refused.values()) + self._base["refused"],
+            "prompts_refused": self.ledger.fates["refused"],
             "accounting_ok": live == 0 and started == trained + sum(dropped.values()) + sum(failed.values())
             and logged == started,
             "ledger": {"cursor": self.ledger.cursor, **self.ledger.states()},

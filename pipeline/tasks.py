@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from pipeline.config import TaskConfig
 
@@ -75,7 +75,11 @@ def build_task(cfg: TaskConfig, max_new_tokens: int) -> Task:
 
 
 class PromptSource:
-    """Yields items of a prompt list in epochs, reshuffled each epoch; `epochs=None` cycles forever."""
+    """A stream of prompt-list items in epochs, reshuffled each epoch; `epochs=None` cycles forever.
+
+    Position p of the stream is item `order(epoch)[index]` with (epoch, index) = divmod(p, len):
+    a pure function of the seed, so a group id (a position) names the same prompt in every session.
+    """
 
     def __init__(self, items: Iterable[Mapping[str, Any]] | Iterable[Any], seed: int = 0,
                  epochs: int | None = None, shuffle: bool = True) -> None:
@@ -85,8 +89,7 @@ class PromptSource:
         self.seed = seed
         self.epochs = epochs
         self.shuffle = shuffle
-        self.epoch = 0
-        self.index = 0
+        self._epoch = 0  # the epoch whose order is cached: positions arrive nearly in order
         self._order = self._make_order(0)
 
     def _make_order(self, epoch: int) -> list[int]:
@@ -96,38 +99,16 @@ class PromptSource:
         return order
 
     @property
-    def position(self) -> tuple[int, int]:
-        """(epoch, index within the epoch) of the next item."""
-        return self.epoch, self.index
-
-    def seek(self, epoch: int, index: int) -> None:
-        self.epoch, self.index = epoch, index
-        self._order = self._make_order(epoch)
-
-    @property
     def total(self) -> int | None:
         """Items in the whole stream (epochs x items), None when it cycles forever."""
         return None if self.epochs is None else self.epochs * len(self.items)
 
     def item_at(self, position: int) -> Any:
-        """Item `position` of the stream (the same item `position` steps of iteration reach)."""
+        """Item `position` of the stream."""
         if position < 0 or (self.total is not None and position >= self.total):
             raise IndexError(f"stream position {position} is outside [0, {self.total})")
         epoch, index = divmod(position, len(self.items))
-        if epoch != self.epoch:  # one shuffle per epoch, cached: positions arrive nearly in order
+        if epoch != self._epoch:
             self._order = self._make_order(epoch)
-            self.epoch = epoch
-        self.index = index + 1
+            self._epoch = epoch
         return self.items[self._order[index]]
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        if self.index >= len(self._order):
-            if self.epochs is not None and self.epoch + 1 >= self.epochs:
-                raise StopIteration
-            self.seek(self.epoch + 1, 0)
-        item = self.items[self._order[self.index]]
-        self.index += 1
-        return item
