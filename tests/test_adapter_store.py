@@ -343,15 +343,20 @@ def os_error(code: int, filename: str | None = None) -> OSError:
     return OSError(code, os.strerror(code), filename)
 
 
-def fail_tmp_mkdir(mp: pytest.MonkeyPatch, root: Path) -> None:
+def fail_mkdir(mp: pytest.MonkeyPatch, prefix: str, code: int) -> None:
+    """Creating a directory whose name starts with `prefix` fails with errno `code`."""
     real = Path.mkdir
 
     def mkdir(self: Path, *args, **kwargs) -> None:
-        if self.name.startswith(".tmp-v"):
-            raise os_error(errno.EACCES, str(self))
+        if self.name.startswith(prefix):
+            raise os_error(code, str(self))
         real(self, *args, **kwargs)
 
     mp.setattr(Path, "mkdir", mkdir)
+
+
+def fail_tmp_mkdir(mp: pytest.MonkeyPatch, root: Path) -> None:
+    fail_mkdir(mp, ".tmp-v", errno.EACCES)
 
 
 def fail_manifest_write(mp: pytest.MonkeyPatch, root: Path) -> None:
@@ -438,14 +443,7 @@ def test_an_os_error_at_any_publish_stage_is_a_clear_store_error_and_tears_nothi
 
 
 def test_root_that_cannot_be_written_is_a_store_error_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Path.mkdir
-
-    def read_only_mount(self: Path, *args, **kwargs) -> None:
-        if self.name.startswith(".tmp-probe-"):
-            raise os_error(errno.EROFS, str(self))
-        real(self, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "mkdir", read_only_mount)
+    fail_mkdir(monkeypatch, ".tmp-probe-", errno.EROFS)  # a read-only mount
     root = tmp_path / "adapters"
     with pytest.raises(StoreError) as info:
         AdapterStore(root)

@@ -84,34 +84,39 @@ def _run_py(args: list[str], crash: str | None = None, timeout: float = 180) -> 
                           timeout=timeout)
 
 
-def _check_finished_run(out: Path) -> None:
+def check_finished_run(out: Path, b: int = B, steps: int = STEPS, k: int = K) -> dict:
+    """A run of `steps` steps of `b` groups over a data set of b * steps prompts, resumed to its end:
+    every prompt trained exactly once, nothing twice in the log, staleness <= k, stores that verify.
+    Returns its summary (tests/test_gpu_resume.py checks the same on GPUs)."""
+    prompts = b * steps
     summary = json.loads((out / "summary.json").read_text())
     assert summary["error"] is None and summary["accounting_ok"], summary
-    assert summary["steps"] == STEPS and summary["checkpoint_step"] == STEPS
+    assert summary["steps"] == steps and summary["checkpoint_step"] == steps
 
     r = read_rollouts(out / "rollouts.zarr")
     ids = r.groups["group_id"].tolist()
     assert len(ids) == len(set(ids)), f"groups repeated in the log: {[i for i, c in Counter(ids).items() if c > 1]}"
     fate = r.groups["fate"].tolist()
     trained = sorted(i for i, f in zip(ids, fate) if f == "trained")
-    assert trained == list(range(PROMPTS)), "every prompt of the data set is trained exactly once"
+    assert trained == list(range(prompts)), "every prompt of the data set is trained exactly once"
     prompt_ids = [p for p, f in zip(r.groups["prompt_id"].tolist(), fate) if f == "trained"]
-    assert len(set(prompt_ids)) == PROMPTS  # one epoch: each prompt once, none skipped
-    steps = [s for s, f in zip(r.groups["step"].tolist(), fate) if f == "trained"]
-    assert Counter(steps) == {s: B for s in range(1, STEPS + 1)}
+    assert len(set(prompt_ids)) == prompts  # one epoch: each prompt once, none skipped
+    trained_steps = [s for s, f in zip(r.groups["step"].tolist(), fate) if f == "trained"]
+    assert Counter(trained_steps) == {s: b for s in range(1, steps + 1)}
     for s, v, f in zip(r.groups["step"].tolist(), r.groups["version"].tolist(), fate):
         if f == "trained":
-            assert 0 <= (s - 1) - v <= K, "the staleness bound holds across the crash"
+            assert 0 <= (s - 1) - v <= k, "the staleness bound holds across the crash"
     assert summary["groups_started"] == len(ids) == summary["groups_logged"]
 
-    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(1, steps + 1))
     store = AdapterStore(out / "adapters", readonly=True)
-    assert store.versions() and max(store.versions()) == STEPS
+    assert store.versions() and max(store.versions()) == steps
     for v in store.versions():
         store.load(v)  # manifest and hashes verify
     assert not list((out / "adapters").glob(".tmp-*")) and not list((out / "checkpoints").glob(".tmp-*"))
     latest = CheckpointStore(out / "checkpoints").latest()
-    assert latest is not None and latest.step == STEPS
+    assert latest is not None and latest.step == steps
+    return summary
 
 
 KILLS = [  # (crash point, which hit): 22 points over generation, training, publishing, logging, checkpoints
@@ -143,7 +148,7 @@ def test_kill_9_then_resume_trains_every_prompt_once(tmp_path: Path, point: str,
     assert not (out / "summary.json").exists()
     resumed = _run_py(["--resume", str(out)])
     assert resumed.returncode == 0, resumed.stderr
-    _check_finished_run(out)
+    check_finished_run(out)
 
 
 def test_three_kills_in_a_row_then_resume(tmp_path: Path) -> None:
@@ -157,7 +162,7 @@ def test_three_kills_in_a_row_then_resume(tmp_path: Path) -> None:
         assert r.returncode == -signal.SIGKILL, f"{crash}: rc {r.returncode}\n{r.stderr}"
     r = _run_py(["--resume", str(out)])
     assert r.returncode == 0, r.stderr
-    _check_finished_run(out)
+    check_finished_run(out)
 
 
 @pytest.mark.parametrize("crash", ["checkpoint.mid_write:2", "publish.before_rename:5", "step.after_train:6"])
@@ -171,15 +176,16 @@ def test_kill_9_with_the_real_model_and_lora_trainer(tmp_path_factory: pytest.Te
     assert first.returncode == -signal.SIGKILL, first.stderr
     resumed = _run_py(["--resume", str(out)])
     assert resumed.returncode == 0, resumed.stderr
-    _check_finished_run(out)
+    check_finished_run(out)
 
 
-def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int) -> None:
-    deadline = time.monotonic() + 60
+def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, limit_s: float = 60) -> None:
+    """Wait until the run writing `out` has logged `steps` steps (failing if it exits or takes over limit_s)."""
+    deadline = time.monotonic() + limit_s
     path = out / "metrics.jsonl"
     while not (path.exists() and path.read_text().count("\n") >= steps):  # whole lines only
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, f"no {steps} steps within 60 s"
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"no {steps} steps within {limit_s} s"
         time.sleep(0.05)
 
 
@@ -191,7 +197,7 @@ def test_sigterm_checkpoints_and_a_second_signal_exits_at_once(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if k != "PIPELINE_CRASH_AT"}
     proc = subprocess.Popen([sys.executable, "run.py", "--config", str(cfg), "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(proc, out, 2)
+    wait_for_steps(proc, out, 2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
@@ -204,11 +210,11 @@ def test_sigterm_checkpoints_and_a_second_signal_exits_at_once(tmp_path: Path) -
     # resume, then two signals: the second one exits at once, and the run still resumes
     proc = subprocess.Popen([sys.executable, "run.py", "--resume", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(proc, out, step + 1)
+    wait_for_steps(proc, out, step + 1)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode in (130, -signal.SIGINT, 128 + signal.SIGINT)
     r = _run_py(["--resume", str(out)])
     assert r.returncode == 0, r.stderr
-    _check_finished_run(out)
+    check_finished_run(out)

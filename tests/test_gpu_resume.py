@@ -11,17 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_crash_resume import check_finished_run, wait_for_steps
 from test_engine_contract import VLLM_WARNING_FILTERS, vllm_unavailable
 
-from pipeline.adapter_store import AdapterStore
-from pipeline.checkpoint import CheckpointStore
 from pipeline.metrics import read_jsonl
-from pipeline.rollout_log import read_rollouts
 
 pytestmark = [pytest.mark.gpu, *VLLM_WARNING_FILTERS]
 
@@ -63,15 +59,6 @@ progress = false
 """
 
 
-def _wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, limit_s: float = 400) -> None:
-    deadline = time.monotonic() + limit_s
-    path = out / "metrics.jsonl"
-    while not (path.exists() and path.read_text().count("\n") >= steps):
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no {steps} steps within {limit_s} s"
-        time.sleep(0.2)
-
-
 @pytest.mark.skipif(vllm_unavailable() is not None, reason=str(vllm_unavailable()))
 def test_sigterm_then_resume_on_gpus_trains_every_prompt_once(tmp_path: Path) -> None:
     import torch
@@ -83,7 +70,7 @@ def test_sigterm_then_resume_on_gpus_trains_every_prompt_once(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k != "PIPELINE_CRASH_AT"}
     proc = subprocess.Popen([sys.executable, "run.py", "--config", str(cfg), "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_steps(proc, out, 3)
+    wait_for_steps(proc, out, 3, limit_s=400)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-3000:]
@@ -94,26 +81,12 @@ def test_sigterm_then_resume_on_gpus_trains_every_prompt_once(tmp_path: Path) ->
     resumed = subprocess.run([sys.executable, "run.py", "--resume", str(out)], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["accounting_ok"] and s["steps"] == STEPS and s["resumed_from_step"] == first["checkpoint_step"], s
-    r = read_rollouts(out / "rollouts.zarr")
-    ids = r.groups["group_id"].tolist()
-    assert len(ids) == len(set(ids))
-    fate = r.groups["fate"].tolist()
-    assert sorted(i for i, f in zip(ids, fate) if f == "trained") == list(range(B * STEPS))
-    for st, v, f in zip(r.groups["step"].tolist(), r.groups["version"].tolist(), fate):
-        if f == "trained":
-            assert 0 <= (st - 1) - v <= K
-    assert Counter(st for st, f in zip(r.groups["step"].tolist(), fate) if f == "trained") == \
-        {st: B for st in range(1, STEPS + 1)}
-    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    s = check_finished_run(out, b=B, steps=STEPS, k=K)
+    assert s["resumed_from_step"] == first["checkpoint_step"], s
     # the engine served the versions the ledger says, and they match the trainer's log-probs
     rows = read_jsonl(out / "metrics.jsonl")
     assert all(row["rollout/version_mismatch"] == 0 for row in rows)
     checks = [row["check/mean_abs_diff"] for row in rows if "check/mean_abs_diff" in row]
     assert checks and max(checks) < 0.1, checks
-    store = AdapterStore(out / "adapters", readonly=True)
-    assert max(store.versions()) == STEPS
-    assert CheckpointStore(out / "checkpoints").latest().step == STEPS
     print(f"gpu resume: stopped at step {first['checkpoint_step']}, resumed to {STEPS}; "
           f"logprob check mean |d| {checks}; wall {first['wall_s']:.1f} s + {s['wall_s']:.1f} s")
