@@ -10,8 +10,10 @@ Invariants:
   after a crash an array can be longer than what was actually written.
 - Data beyond the committed counts (left by a crash mid-flush) is ignored by readers and
   trimmed when the store is reopened for appending, so new rows start at the right offsets.
-- A flush writes at the committed offsets (resize, then assign a slice), so retrying a flush
-  that failed half-way overwrites its partial output instead of duplicating it.
+  While the log is open, arrays are also longer than committed on purpose: a flush grows an
+  array to the end of a chunk, so most flushes skip a resize; `close` trims them.
+- A flush writes at the committed offsets (grow if needed, then assign a slice), so retrying a
+  flush that failed half-way overwrites its partial output instead of duplicating it.
 
 Layout (zarr v3 group; ragged data as flat arrays plus offsets):
 
@@ -29,20 +31,25 @@ refused at `append`); readers get int64 back, like `Completion.token_ids`.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, Sequence
 
 import numpy as np
 import structlog
 import zarr
+from zarr.codecs import BloscCodec
+from zarr.core.sync import sync as zarr_sync  # what Array's own methods use to run on zarr's loop
 
 from pipeline.errors import ConfigError
 from pipeline.faults import crash_point
-from pipeline.types import GroupOutcome
+from pipeline.types import Completion, GroupOutcome
 
 log = structlog.get_logger(__name__)
 
@@ -50,12 +57,20 @@ FORMAT_VERSION = 1
 FATES = ("trained", "dropped", "failed")
 
 # Chunk lengths: a flush of a few hundred groups touches one or two chunks per array, and a
-# chunk stays a few hundred KiB, so rewriting the partial last chunk on every flush is cheap.
+# chunk stays a few hundred KiB. Every flush still rewrites the partial last chunk of each of
+# the 22 arrays (decoding and re-encoding up to a chunk of strings for the string ones): tens of
+# milliseconds per flush whatever its size, which is why flushes are batched.
 GROUP_CHUNK = 4096
 COMPLETION_CHUNK = 16384
 TOKEN_CHUNK = 65536
 
 _INT32_MAX = 2**31 - 1
+
+# Numeric arrays: lz4 after bit-shuffling encoded token-id chunks 6-17x faster than zarr's default
+# zstd (level 3) here, to 0.4-0.55 of their size (zstd: 0.33-0.7, uniform to Zipf-like ids);
+# logprobs stay at ~0.9 either way. String arrays keep the default (vlen-utf8 + zstd). Readers
+# need nothing new: zarr records each array's codecs, and older stores keep theirs.
+_NUMERIC_COMPRESSOR = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")
 
 # name -> (dtype, fill value); the section of each name fixes its length and chunking.
 _GROUP_ARRAYS: dict[str, tuple[Any, Any]] = {
@@ -93,27 +108,73 @@ _SECTIONS = {
 }
 
 
-def _token_ids_int32(ids: Any, what: str) -> np.ndarray:
-    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-    if arr.size and (arr.min() < 0 or arr.max() > _INT32_MAX):
-        raise ValueError(f"{what} has token ids outside [0, 2**31): min {arr.min()}, max {arr.max()}")
-    return arr.astype(np.int32)
+def _flat(parts: list[Any], dtype: np.dtype) -> np.ndarray:
+    """[sum of lengths] `parts` (1-d arrays or sequences) back to back as one array of `dtype`.
+
+    Joining the raw bytes costs a few times less than np.concatenate for the usual hundreds of
+    small arrays (one per completion); it is taken only when every part is an array of exactly
+    `dtype`, and bytes.join refuses non-contiguous arrays. Anything else is cast by numpy.
+    """
+    try:
+        if set(map(attrgetter("dtype"), parts)) <= {dtype}:
+            return np.frombuffer(b"".join(parts), dtype)
+    except (AttributeError, TypeError):
+        pass  # lists, or arrays bytes.join cannot take: the casting path below handles them
+    if not parts:
+        return np.zeros(0, dtype)
+    return np.concatenate([np.asarray(p).reshape(-1) for p in parts]).astype(dtype, copy=False)
 
 
-@dataclass(frozen=True, slots=True)
-class _Row:
-    """One outcome flattened into the store's columns (built at append, written at flush)."""
+_I64, _F32, _F64 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64)
 
-    scalars: dict[str, Any]  # per-group columns except the offsets
+# The per-group values an append gathers as one tuple per group, in this order (the offsets are
+# computed at flush).
+_ROW = ("group_id", "prompt_id", "version", "fate", "reason", "step", "engine", "t_admitted",
+        "t_gen_start", "t_gen_end", "t_done", "prompt_tok_len", "comp_count")
+
+
+@dataclass(slots=True)
+class _Block:
+    """The outcomes of one `append_many` call, flattened (built at append, never changed, written at flush).
+
+    G groups, C completions, P prompt tokens, T completion tokens. Per-group values stay one
+    tuple per group (one comprehension builds them all; flush transposes them into columns).
+    Short columns are tuples rather than small arrays, which cost more to build than they hold
+    for a one-group call, or lists, which the garbage collector keeps scanning while pending.
+    """
+
+    rows: tuple[tuple[Any, ...], ...]  # [G] tuples in _ROW order
+    tok_lens: tuple[int, ...]  # [C]
+    finish_reasons: tuple[str, ...]  # [C]
+    rewards: np.ndarray  # [C] float64
     prompt_tokens: np.ndarray  # [P] int32
-    rewards: np.ndarray  # [n] float64
-    finish_reasons: list[str]  # [n]
-    tok_lens: np.ndarray  # [n] int32
-    tokens: np.ndarray  # [sum tok_lens] int32
-    logprobs: np.ndarray  # [sum tok_lens] float32
+    tokens: np.ndarray  # [T] int32
+    logprobs: np.ndarray  # [T] float32
 
 
-def _to_row(o: GroupOutcome) -> _Row:
+_INT32_MAX_U64 = np.uint64(_INT32_MAX)
+
+
+def _in_int32(ids: np.ndarray) -> bool:
+    # negative ids wrap to huge unsigned values, so one max checks both ends
+    return not ids.size or bool(ids.view(np.uint64).max() <= _INT32_MAX_U64)
+
+
+def _raise_out_of_range(ids: np.ndarray, ends: np.ndarray, outcomes: Sequence[GroupOutcome]) -> NoReturn:
+    """Refuse token ids that int32 cannot hold, naming the first group with one.
+
+    ids: [P + T] int64, every group's prompt ids then every group's completion ids;
+    ends: [2G] end offset in ids of each of those 2G runs.
+    """
+    first = int(np.flatnonzero((ids < 0) | (ids > _INT32_MAX))[0])
+    run = int(np.searchsorted(ends, first, side="right"))
+    bad = ids[(int(ends[run - 1]) if run else 0):int(ends[run])]
+    G = len(outcomes)
+    raise ValueError(f"group {outcomes[run % G].group_id} {'prompt' if run < G else 'completion'} has token ids "
+                     f"outside [0, 2**31): min {bad.min()}, max {bad.max()}")
+
+
+def _check_fate(o: GroupOutcome) -> None:
     if o.fate not in FATES:
         raise ValueError(f"group {o.group_id}: fate must be one of {FATES}, got {o.fate!r}")
     if o.fate == "trained" and (o.step < 1 or o.reason):
@@ -122,42 +183,84 @@ def _to_row(o: GroupOutcome) -> _Row:
     if o.fate != "trained" and (o.step != -1 or not o.reason):
         raise ValueError(f"group {o.group_id}: a {o.fate} group needs step -1 and a reason, "
                          f"got step {o.step} reason {o.reason!r}")
-    gen = o.generation
-    comps = gen.completions if gen is not None else ()
-    if o.rewards is None:
-        rewards = np.full(len(comps), np.nan)
-    else:
-        rewards = np.asarray(o.rewards, dtype=np.float64).reshape(-1)
-        if len(rewards) != len(comps):
-            raise ValueError(f"group {o.group_id}: {len(rewards)} rewards for {len(comps)} completions")
-    tok_lens = np.array([len(c.token_ids) for c in comps], dtype=np.int32)
-    # one concatenation and one range check per group, not per completion (append is on the loop)
-    tokens = _token_ids_int32(np.concatenate([np.asarray(c.token_ids).reshape(-1) for c in comps])
-                              if comps else np.zeros(0, np.int64), f"group {o.group_id} completion")
-    logprobs = (np.concatenate([np.asarray(c.logprobs).reshape(-1) for c in comps]).astype(np.float32, copy=False)
-                if comps else np.zeros(0, np.float32))
-    scalars = {
-        "group_id": o.group_id,
-        "prompt_id": o.prompt.id,
-        "version": o.version,
-        "fate": o.fate,
-        "reason": o.reason,
-        "step": o.step,
-        "engine": gen.engine if gen is not None else "",
-        "t_admitted": o.t_admitted,
-        "t_gen_start": gen.t_start if gen is not None else np.nan,
-        "t_gen_end": gen.t_end if gen is not None else np.nan,
-        "t_done": o.t_done,
-    }
-    return _Row(
-        scalars=scalars,
-        prompt_tokens=_token_ids_int32(o.prompt.token_ids, f"group {o.group_id} prompt"),
-        rewards=rewards,
-        finish_reasons=[c.finish_reason for c in comps],
+
+
+def _to_block(outcomes: Sequence[GroupOutcome]) -> _Block:
+    """Check and flatten outcomes; raises ValueError naming a bad group.
+
+    Column-wise over the whole call, since append runs on the event loop: a comprehension per
+    field, one join and one range check for all prompt and completion token ids together;
+    per-group work happens only to name the group once a check has failed.
+    """
+    if not all((o.fate == "trained" and o.step >= 1 and not o.reason)
+               or (o.fate in ("dropped", "failed") and o.step == -1 and o.reason) for o in outcomes):
+        for o in outcomes:
+            _check_fate(o)  # raises at the first bad one, saying why
+    gens = [o.generation for o in outcomes]
+    per_group = [g.completions if g is not None else () for g in gens]
+    comp_counts = list(map(len, per_group))
+    comps = list(chain.from_iterable(per_group))
+    token_ids = [c.token_ids for c in comps]
+    tok_lens = tuple(map(len, token_ids))
+    prompts = [o.prompt.token_ids for o in outcomes]
+    prompt_lens = list(map(len, prompts))
+    P = sum(prompt_lens)
+    ids = _flat([np.fromiter(chain.from_iterable(prompts), np.int64, count=P), *token_ids], _I64)
+    logprobs = _flat([c.logprobs for c in comps], _F32)
+    T = len(logprobs)
+    if len(ids) != P + T or T != sum(tok_lens):  # what a 2-d token_ids or logprobs leaves
+        raise ValueError(f"groups {outcomes[0].group_id}..{outcomes[-1].group_id}: every completion needs "
+                         f"1-d token_ids and logprobs of equal length")
+    if not _in_int32(ids):
+        tok_ends = np.concatenate([[0], np.cumsum(tok_lens, dtype=np.int64)])
+        _raise_out_of_range(ids, np.concatenate([np.cumsum(prompt_lens), P + tok_ends[np.cumsum(comp_counts)]]),
+                            outcomes)
+    ids = ids.astype(np.int32)
+
+    rewards = [np.full(n, np.nan) if o.rewards is None else o.rewards for o, n in zip(outcomes, comp_counts)]
+    try:
+        rewards_fit = list(map(len, rewards)) == comp_counts
+    except TypeError:  # a scalar has no len; the check below names its group
+        rewards_fit = False
+    if not rewards_fit:
+        for o, r, n in zip(outcomes, rewards, comp_counts):
+            if np.size(r) != n:
+                raise ValueError(f"group {o.group_id}: {np.size(r)} rewards for {n} completions")
+
+    nan = np.nan
+    rows = tuple([(o.group_id, o.prompt.id, o.version, o.fate, o.reason, o.step,
+                   g.engine if g is not None else "", o.t_admitted,
+                   g.t_start if g is not None else nan, g.t_end if g is not None else nan, o.t_done, p, c)
+                  for o, g, p, c in zip(outcomes, gens, prompt_lens, comp_counts)])
+    return _Block(
+        rows=rows,
         tok_lens=tok_lens,
-        tokens=tokens,
+        finish_reasons=tuple([c.finish_reason for c in comps]),
+        rewards=_flat(rewards, _F64),
+        prompt_tokens=ids[:P],
+        tokens=ids[P:],
         logprobs=logprobs,
     )
+
+
+def _columns(blocks: list[_Block], committed: dict[str, int]) -> dict[str, np.ndarray]:
+    """Every array's rows for `blocks`, the offsets continuing from the `committed` counts."""
+    per_group = dict(zip(_ROW, zip(*chain.from_iterable(b.rows for b in blocks))))
+    columns: dict[str, np.ndarray] = {
+        "prompt_tokens": _flat([b.prompt_tokens for b in blocks], np.dtype(np.int32)),
+        "tokens": _flat([b.tokens for b in blocks], np.dtype(np.int32)),
+        "logprobs": _flat([b.logprobs for b in blocks], _F32),
+        "reward": _flat([b.rewards for b in blocks], _F64),
+        "finish_reason": np.array(list(chain.from_iterable(b.finish_reasons for b in blocks)), dtype=object),
+        "tok_len": np.fromiter(chain.from_iterable(b.tok_lens for b in blocks), np.int32),
+    }
+    columns["tok_off"] = _offsets(committed["tokens"], columns["tok_len"])
+    for name, (dtype, _) in _GROUP_ARRAYS.items():
+        if name in per_group:
+            columns[name] = np.array(per_group[name], dtype=object if dtype is str else dtype)
+    columns["prompt_tok_off"] = _offsets(committed["prompt_tokens"], columns["prompt_tok_len"])
+    columns["comp_off"] = _offsets(committed["completions"], columns["comp_count"])
+    return columns
 
 
 def _offsets(start: int, lengths: np.ndarray) -> np.ndarray:
@@ -176,7 +279,8 @@ class RolloutLog:
         self.flush_every = flush_every
         self._flush_lock = threading.Lock()  # flush is not reentrant and must not overlap itself
         self._pending_lock = threading.Lock()  # guards _pending, _ids, counters across threads
-        self._pending: list[_Row] = []
+        self._pending: list[_Block] = []
+        self._pending_groups = 0  # groups in _pending
         self._closed = False
         if (self.path / "zarr.json").exists():
             self._group = zarr.open_group(self.path, mode="r+")
@@ -185,7 +289,9 @@ class RolloutLog:
             self._group = self._create(meta)
             self._committed = {"groups": 0, "completions": 0, "prompt_tokens": 0, "tokens": 0}
         # Handles are kept: each lookup re-reads metadata, and resize updates a handle in place.
-        self._arrays = {name: self._group[name] for arrays, _, _ in _SECTIONS.values() for name in arrays}
+        # write_empty_chunks: store every chunk rather than scan each one for all-fill first.
+        self._arrays = {name: self._group[name].with_config({"write_empty_chunks": True})
+                        for arrays, _, _ in _SECTIONS.values() for name in arrays}
         self._load_index(self._committed["groups"])
         log.info("rollout_log_opened", path=str(self.path), groups=self._committed["groups"])
 
@@ -201,7 +307,8 @@ class RolloutLog:
         group = zarr.open_group(self.path, mode="w-")
         for arrays, chunk, _ in _SECTIONS.values():
             for name, (dtype, fill) in arrays.items():
-                group.create_array(name, shape=(0,), dtype=dtype, chunks=(chunk,), fill_value=fill)
+                group.create_array(name, shape=(0,), dtype=dtype, chunks=(chunk,), fill_value=fill,
+                                   compressors="auto" if dtype is str else _NUMERIC_COMPRESSOR)
         group.attrs.update({
             "format_version": FORMAT_VERSION,
             "created_unix": time.time(),
@@ -217,6 +324,7 @@ class RolloutLog:
             raise ConfigError(f"rollout log {self.path} has format_version {attrs.get('format_version')!r}, "
                               f"this code reads and writes {FORMAT_VERSION}")
         committed = {k: int(v) for k, v in attrs["committed"].items()}
+        trimmed = []
         for arrays, _, key in _SECTIONS.values():
             for name in arrays:
                 arr = self._group[name]
@@ -224,30 +332,47 @@ class RolloutLog:
                     raise ConfigError(f"rollout log {self.path}: array {name} has {arr.shape[0]} rows "
                                       f"but {committed[key]} are committed; the store is corrupt")
                 if arr.shape[0] > committed[key]:
-                    log.warning("rollout_log_trimmed", path=str(self.path), array=name,
-                                rows=arr.shape[0], committed=committed[key])
+                    trimmed.append(name)
                     arr.resize((committed[key],))
+        if trimmed:  # the last writer did not close the log: a crash, or a kill between flushes
+            log.warning("rollout_log_trimmed", path=str(self.path), arrays=trimmed, committed=committed)
         if meta:
             self._group.attrs["meta"] = {**attrs.get("meta", {}), **meta}
         return committed
 
     def append(self, outcome: GroupOutcome) -> None:
-        """Buffer one outcome (no I/O unless `flush_every` groups are now pending).
+        """Buffer one outcome; `append_many([outcome])`."""
+        self.append_many((outcome,))
 
-        Callers on the event loop should flush through `asyncio.to_thread` often enough that
-        the automatic flush here, which writes on the calling thread, stays a backstop.
+    def append_many(self, outcomes: Sequence[GroupOutcome]) -> None:
+        """Buffer several outcomes, all or none (no I/O unless `flush_every` groups are now pending).
+
+        Raises ValueError naming the group if any outcome is inconsistent or its id is already
+        written, pending or repeated in `outcomes`; nothing is appended then. Callers on the
+        event loop should flush through `asyncio.to_thread` often enough that the automatic
+        flush here, which writes on the calling thread, stays a backstop.
         """
         if self._closed:
             raise RuntimeError(f"rollout log {self.path} is closed")
-        row = _to_row(outcome)
+        if not outcomes:
+            return
+        block = _to_block(outcomes)
+        ids = [row[0] for row in block.rows]
         with self._pending_lock:
-            if outcome.group_id in self._ids:
-                raise ValueError(f"group {outcome.group_id} is already in rollout log {self.path}")
-            self._ids.add(outcome.group_id)
-            self._pending.append(row)
-            self._fates[outcome.fate] += 1
-            self._reasons[f"{outcome.fate}:{outcome.reason}"] += 1
-            due = len(self._pending) >= self.flush_every
+            if not self._ids.isdisjoint(ids) or len(set(ids)) != len(ids):
+                seen: set[int] = set()
+                for gid in ids:  # only now find the id to name
+                    if gid in self._ids:
+                        raise ValueError(f"group {gid} is already in rollout log {self.path}")
+                    if gid in seen:
+                        raise ValueError(f"group {gid} appears twice in one append to rollout log {self.path}")
+                    seen.add(gid)
+            self._ids.update(ids)
+            self._pending.append(block)
+            self._pending_groups += len(ids)
+            self._fates.update([o.fate for o in outcomes])
+            self._reasons.update([f"{o.fate}:{o.reason}" for o in outcomes])
+            due = self._pending_groups >= self.flush_every
         if due:
             self.flush()
 
@@ -255,35 +380,18 @@ class RolloutLog:
         """Write every pending group and commit; safe to call from a worker thread."""
         with self._flush_lock:
             with self._pending_lock:
-                rows = list(self._pending)
-            if not rows:
+                blocks = list(self._pending)
+            if not blocks:
                 return
             t0 = time.monotonic()
             c = self._committed
-            tok_lens = np.concatenate([r.tok_lens for r in rows])
-            prompt_lens = np.array([len(r.prompt_tokens) for r in rows], dtype=np.int32)
-            comp_counts = np.array([len(r.tok_lens) for r in rows], dtype=np.int32)
-            columns: dict[str, np.ndarray] = {
-                "prompt_tokens": np.concatenate([r.prompt_tokens for r in rows]),
-                "tokens": np.concatenate([r.tokens for r in rows]),
-                "logprobs": np.concatenate([r.logprobs for r in rows]),
-                "reward": np.concatenate([r.rewards for r in rows]),
-                "finish_reason": np.array([f for r in rows for f in r.finish_reasons], dtype=str),
-                "tok_off": _offsets(c["tokens"], tok_lens),
-                "tok_len": tok_lens,
-                "prompt_tok_off": _offsets(c["prompt_tokens"], prompt_lens),
-                "prompt_tok_len": prompt_lens,
-                "comp_off": _offsets(c["completions"], comp_counts),
-                "comp_count": comp_counts,
-            }
-            for name, (dtype, _) in _GROUP_ARRAYS.items():
-                if name not in columns:
-                    columns[name] = np.array([r.scalars[name] for r in rows], dtype=dtype)
+            columns = _columns(blocks, c)
+            groups = len(columns["group_id"])
             new = {
                 "prompt_tokens": c["prompt_tokens"] + len(columns["prompt_tokens"]),
                 "tokens": c["tokens"] + len(columns["tokens"]),
-                "completions": c["completions"] + len(tok_lens),
-                "groups": c["groups"] + len(rows),
+                "completions": c["completions"] + len(columns["tok_len"]),
+                "groups": c["groups"] + groups,
             }
             self._write_section("prompt_tokens", columns, c, new)
             self._write_section("tokens", columns, c, new)
@@ -294,20 +402,47 @@ class RolloutLog:
             crash_point("log.after_commit")
             self._committed = new
             with self._pending_lock:
-                del self._pending[: len(rows)]
-            log.debug("rollout_log_flushed", groups=len(rows), total=new["groups"],
+                del self._pending[: len(blocks)]
+                self._pending_groups -= groups
+            log.debug("rollout_log_flushed", groups=groups, total=new["groups"],
                       seconds=round(time.monotonic() - t0, 4))
 
     def _write_section(self, section: str, columns: dict[str, np.ndarray],
                        old: dict[str, int], new: dict[str, int]) -> None:
-        arrays, _, key = _SECTIONS[section]
+        """Write the section's new rows at the committed offsets, every array at once.
+
+        Each array write is a round trip to zarr's event loop with per-chunk work in threads;
+        issuing them together overlaps those waits. An array too short is grown to the end of
+        the chunk holding its new last row, so most flushes skip the metadata rewrite of a
+        resize. Returns only when every write has finished or failed, so a retried flush
+        never races a write still running.
+        """
+        arrays, chunk, key = _SECTIONS[section]
         start, stop = old[key], new[key]
         if stop == start:
             return
-        for name in arrays:
-            arr = self._arrays[name]
-            arr.resize((stop,))
-            arr[start:stop] = columns[name]
+        capacity = -(-stop // chunk) * chunk
+
+        async def write(name: str) -> None:
+            arr = self._arrays[name].async_array
+            if arr.shape[0] < stop:
+                await arr.resize((capacity,))
+            await arr.setitem(slice(start, stop), columns[name])
+
+        async def write_all() -> list[BaseException | None]:
+            return await asyncio.gather(*(write(name) for name in arrays), return_exceptions=True)
+
+        for result in zarr_sync(write_all()):
+            if isinstance(result, BaseException):
+                raise result
+
+    def _trim(self) -> None:
+        """Cut every array to its committed length (the caller holds the flush lock)."""
+        for arrays, _, key in _SECTIONS.values():
+            for name in arrays:
+                arr = self._arrays[name]
+                if arr.shape[0] != self._committed[key]:
+                    arr.resize((self._committed[key],))
 
     def _commit(self, new: dict[str, int]) -> None:
         # The single point at which the new rows become visible to readers.
@@ -320,7 +455,7 @@ class RolloutLog:
         """
         with self._flush_lock, self._pending_lock:
             if self._pending:
-                raise RuntimeError(f"rollout log {self.path}: truncate with {len(self._pending)} rows pending")
+                raise RuntimeError(f"rollout log {self.path}: truncate with {self._pending_groups} groups pending")
             c = self._committed
             if not 0 <= groups <= c["groups"]:
                 raise ValueError(f"rollout log {self.path} has {c['groups']} groups, cannot keep {groups}")
@@ -350,6 +485,8 @@ class RolloutLog:
         if self._closed:
             return
         self.flush()
+        with self._flush_lock:
+            self._trim()  # a closed store's arrays are exactly as long as what is committed
         self._closed = True
         log.info("rollout_log_closed", path=str(self.path), groups=self._committed["groups"])
 
@@ -367,7 +504,7 @@ class RolloutLog:
     def pending(self) -> int:
         """Groups appended but not yet flushed."""
         with self._pending_lock:
-            return len(self._pending)
+            return self._pending_groups
 
     def counts(self) -> dict[str, int]:
         """Groups per fate, written and pending (every fate present, zero if none)."""

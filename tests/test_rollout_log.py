@@ -376,3 +376,240 @@ def test_random_ragged_groups_round_trip(shapes: list, flush_every: int, seed: i
         for i, o in enumerate(outcomes):
             assert_group_equal(r.group(i), o)
         assert len(r.tokens) == sum(sum(s[1]) for s in shapes)
+
+
+def _mixed_outcomes(start: int = 0) -> list[GroupOutcome]:
+    """Every shape a batch can hold: all fates, no generation, no rewards, empty completions."""
+    return [
+        make_outcome(start + 0, "trained", version=2, step=4, lengths=(5, 1, 3)),
+        make_outcome(start + 1, "failed", with_generation=False),
+        make_outcome(start + 2, "dropped", lengths=(0, 7)),
+        make_outcome(start + 3, "failed", reason="reward_error", with_rewards=False),
+        make_outcome(start + 4, "trained", lengths=(2,), prompt_len=0, version=1, step=2),
+        make_outcome(start + 5, "dropped", reason="stale", lengths=()),
+        make_outcome(start + 6, "trained", lengths=(4, 4)),
+    ]
+
+
+def _assert_same_store(a: rl.Rollouts, b: rl.Rollouts) -> None:
+    for section in ("groups", "completions"):
+        x, y = getattr(a, section), getattr(b, section)
+        assert x.keys() == y.keys()
+        for name in x:
+            assert x[name].dtype == y[name].dtype, name
+            np.testing.assert_array_equal(x[name], y[name], err_msg=name)  # NaN == NaN here
+    for name in ("prompt_tokens", "tokens", "logprobs"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
+
+
+@pytest.mark.parametrize("batches", [(7,), (1, 3, 3), (2, 5)])
+def test_append_many_stores_what_single_appends_store(tmp_path: Path, batches: tuple[int, ...]) -> None:
+    outcomes = _mixed_outcomes() + _mixed_outcomes(start=100)
+    with RolloutLog(tmp_path / "one.zarr") as one:
+        for o in outcomes:
+            one.append(o)
+        one_counts, one_reasons = one.counts(), one.reasons()
+    with RolloutLog(tmp_path / "many.zarr", flush_every=5) as many:
+        rest = list(outcomes)
+        for k in batches * 2:
+            many.append_many(rest[:k])
+            rest = rest[k:]
+        assert not rest and len(many) == len(outcomes)
+        assert (many.counts(), many.reasons()) == (one_counts, one_reasons)
+    a, b = read_rollouts(tmp_path / "one.zarr"), read_rollouts(tmp_path / "many.zarr")
+    _assert_same_store(a, b)
+    for i, o in enumerate(outcomes):
+        assert_group_equal(b.group(i), o)
+
+
+def _with(o: GroupOutcome, **changes) -> GroupOutcome:
+    return GroupOutcome(**{**{f: getattr(o, f) for f in o.__slots__}, **changes})
+
+
+def _bad_completion_token(o: GroupOutcome, value: int, completion: int = -1, at: int = 1) -> GroupOutcome:
+    comps = list(o.generation.completions)
+    ids = comps[completion].token_ids.copy()
+    ids[at] = value
+    comps[completion] = Completion(token_ids=ids, logprobs=comps[completion].logprobs, finish_reason="stop")
+    gen = o.generation
+    return _with(o, generation=Generation(request=gen.request, completions=tuple(comps), version=gen.version,
+                                          engine=gen.engine, t_start=gen.t_start, t_end=gen.t_end))
+
+
+@pytest.mark.parametrize("spoil, match", [
+    (lambda o: _with(o, fate="lost"), "group 12: fate must be one of"),
+    (lambda o: _with(o, step=-1), "group 12: a trained group needs step >= 1"),
+    (lambda o: _with(o, rewards=np.zeros(1)), "group 12: 1 rewards for 2 completions"),
+    (lambda o: _bad_completion_token(o, 2**31), r"group 12 completion has token ids outside .*max 2147483648"),
+    (lambda o: _bad_completion_token(o, -3), r"group 12 completion has token ids outside .*min -3"),
+    (lambda o: _with(o, prompt=Prompt(id="p", text="", token_ids=(5, 2**40))), "group 12 prompt has token ids"),
+])
+def test_a_bad_outcome_refuses_the_whole_batch(tmp_path: Path, spoil, match: str) -> None:
+    log = RolloutLog(tmp_path / "r.zarr", flush_every=2)  # a batch that went in would flush at once
+    batch = [make_outcome(i) for i in range(10, 15)]
+    batch[2] = spoil(batch[2])
+    with pytest.raises(ValueError, match=match):
+        log.append_many(batch)
+    assert len(log) == 0 and log.pending == 0 and sum(log.counts().values()) == 0 and log.reasons() == {}
+    assert read_rollouts(tmp_path / "r.zarr").num_groups == 0
+    good = [make_outcome(i) for i in range(10, 15)]  # no id was reserved by the refused batch
+    log.append_many(good)
+    log.close()
+    r = read_rollouts(tmp_path / "r.zarr")
+    assert r.num_groups == 5
+    for i, o in enumerate(good):
+        assert_group_equal(r.group(i), o)
+
+
+def test_out_of_range_token_names_its_group_among_many(tmp_path: Path) -> None:
+    log = RolloutLog(tmp_path / "r.zarr")
+    batch = [make_outcome(i, lengths=(3, 0, 4)) for i in range(40)]
+    batch[1] = make_outcome(1, "failed", with_generation=False)  # no completions before the bad group
+    # the first id of the group's run: the boundary between groups 28 and 29 must be placed right
+    batch[29] = _bad_completion_token(batch[29], 2**31 + 5, completion=0, at=0)
+    with pytest.raises(ValueError, match=r"^group 29 completion .*max 2147483653"):
+        log.append_many(batch)
+    batch[29] = _with(batch[29], prompt=Prompt(id="p", text="", token_ids=(-1, 1)))  # prompts are checked too
+    with pytest.raises(ValueError, match=r"^group 29 prompt .*min -1"):
+        log.append_many(batch)
+    assert len(log) == 0
+
+
+def test_duplicates_refused_within_one_call_and_against_the_log(tmp_path: Path) -> None:
+    log = RolloutLog(tmp_path / "r.zarr")
+    with pytest.raises(ValueError, match="group 5 appears twice in one append"):
+        log.append_many([make_outcome(5), make_outcome(6), make_outcome(5, "dropped")])
+    assert len(log) == 0 and log.pending == 0
+    log.append_many([make_outcome(5), make_outcome(6)])
+    with pytest.raises(ValueError, match="group 6 is already"):
+        log.append_many([make_outcome(7), make_outcome(6, "failed")])  # 6 is pending
+    log.flush()
+    with pytest.raises(ValueError, match="group 5 is already"):
+        log.append_many([make_outcome(8), make_outcome(5, "failed")])  # 5 is written
+    assert len(log) == 2
+    log.append_many([make_outcome(7), make_outcome(8)])  # the refused calls reserved nothing
+    log.close()
+    assert read_rollouts(tmp_path / "r.zarr").groups["group_id"].tolist() == [5, 6, 7, 8]
+
+
+def test_pending_counts_groups_and_a_batch_triggers_the_auto_flush(tmp_path: Path) -> None:
+    path = tmp_path / "r.zarr"
+    log = RolloutLog(path, flush_every=5)
+    log.append_many([make_outcome(i) for i in range(3)])
+    log.append(make_outcome(3))
+    log.append_many([])
+    assert log.pending == 4 and len(log) == 4
+    assert read_rollouts(path).num_groups == 0
+    log.append_many([make_outcome(i) for i in range(4, 7)])  # 7 pending >= 5: all written now
+    assert log.pending == 0 and read_rollouts(path).num_groups == 7
+    log.close()
+
+
+def test_mixed_fates_in_one_call_round_trip(tmp_path: Path) -> None:
+    outcomes = _mixed_outcomes()
+    with RolloutLog(tmp_path / "r.zarr") as log:
+        log.append_many(outcomes)
+        assert log.counts() == {"trained": 3, "dropped": 2, "failed": 2}
+    r = read_rollouts(tmp_path / "r.zarr")
+    assert r.num_groups == len(outcomes)
+    for i, o in enumerate(outcomes):
+        assert_group_equal(r.group(i), o)
+    # 3 + 0 + 2 + 2 + 1 + 0 + 2 completions; only group 3's two were never scored
+    assert np.flatnonzero(np.isnan(r.completions["reward"])).tolist() == [5, 6]
+
+
+def test_other_array_types_are_cast_like_the_declared_ones(tmp_path: Path) -> None:
+    """int32, list, strided and float64 token ids, float64 logprobs and list rewards store the same values."""
+    base = make_outcome(0, lengths=(4, 3, 5, 2))
+    gen = base.generation
+    c = gen.completions
+    odd = (
+        Completion(token_ids=c[0].token_ids.astype(np.int32), logprobs=c[0].logprobs.astype(np.float64),
+                   finish_reason=c[0].finish_reason),
+        Completion(token_ids=[int(t) for t in c[1].token_ids], logprobs=c[1].logprobs, finish_reason="stop"),
+        Completion(token_ids=np.repeat(c[2].token_ids, 2)[::2], logprobs=c[2].logprobs, finish_reason="length"),
+        Completion(token_ids=c[3].token_ids.astype(np.float64), logprobs=c[3].logprobs, finish_reason="stop"),
+    )
+    assert not odd[2].token_ids.flags.c_contiguous
+    changed = _with(base, group_id=1, rewards=[float(x) for x in base.rewards],
+                    generation=Generation(request=gen.request, completions=odd, version=gen.version,
+                                          engine=gen.engine, t_start=gen.t_start, t_end=gen.t_end))
+    with RolloutLog(tmp_path / "r.zarr") as log:
+        log.append_many([base, changed])
+    r = read_rollouts(tmp_path / "r.zarr")
+    a, b = r.group(0), r.group(1)
+    np.testing.assert_array_equal(a["rewards"], b["rewards"])
+    for (ta, la, _), (tb, lb, _) in zip(a["completions"], b["completions"]):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_array_equal(la, lb)
+
+
+def test_reopen_after_an_unclosed_log_trims_the_grown_arrays(tmp_path: Path) -> None:
+    """A run killed between flushes leaves arrays grown past the committed rows; reopening copes."""
+    path = tmp_path / "r.zarr"
+    first = [make_outcome(i) for i in range(3)]
+    log = RolloutLog(path)
+    log.append_many(first)
+    log.flush()  # never closed, as after kill -9
+    raw = zarr.open_group(path, mode="r")
+    assert raw["group_id"].shape[0] == rl.GROUP_CHUNK  # grown a chunk at a time while open
+    assert read_rollouts(path).num_groups == 3
+    log2 = RolloutLog(path)
+    raw = zarr.open_group(path, mode="r")
+    assert raw["group_id"].shape[0] == 3 and raw["tokens"].shape[0] == 3 * 8
+    second = [make_outcome(i) for i in range(3, 6)]
+    log2.append_many(second)
+    log2.close()
+    r = read_rollouts(path)
+    assert r.num_groups == 6
+    for i, o in enumerate(first + second):
+        assert_group_equal(r.group(i), o)
+    raw = zarr.open_group(path, mode="r")
+    assert raw["group_id"].shape[0] == 6 and raw["tokens"].shape[0] == 6 * 8
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes=group_shapes, cuts=st.lists(st.integers(1, 5), min_size=1, max_size=12), seed=st.integers(0, 2**32 - 1))
+def test_random_batches_round_trip(shapes: list, cuts: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    outcomes = [
+        make_outcome(i, fate, rng=rng, lengths=tuple(lengths), prompt_len=plen, with_rewards=has_rewards)
+        for i, (fate, lengths, plen, has_rewards) in enumerate(shapes)
+    ]
+    with tempfile.TemporaryDirectory() as d:
+        with RolloutLog(Path(d) / "r.zarr", flush_every=4) as log:
+            rest, k = list(outcomes), 0
+            while rest:
+                log.append_many(rest[:cuts[k % len(cuts)]])
+                rest, k = rest[cuts[k % len(cuts)]:], k + 1
+        r = read_rollouts(Path(d) / "r.zarr")
+        assert r.num_groups == len(outcomes)
+        for i, o in enumerate(outcomes):
+            assert_group_equal(r.group(i), o)
+
+
+def test_one_failed_array_write_fails_the_flush_and_a_retry_completes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arrays of a section are written together; one failing among them still fails the flush."""
+    path = tmp_path / "r.zarr"
+    log = RolloutLog(path)
+    outcomes = _mixed_outcomes()
+    log.append_many(outcomes)
+    real = zarr.AsyncArray.setitem
+
+    async def setitem(self, *args, **kwargs):
+        if self.path == "fate":
+            raise OSError("simulated disk error on fate")
+        return await real(self, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(zarr.AsyncArray, "setitem", setitem)
+        with pytest.raises(OSError, match="fate"):
+            log.flush()
+    assert log.pending == len(outcomes) and read_rollouts(path).num_groups == 0
+    log.close()
+    r = read_rollouts(path)
+    assert r.num_groups == len(outcomes)
+    for i, o in enumerate(outcomes):
+        assert_group_equal(r.group(i), o)
