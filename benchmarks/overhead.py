@@ -4,8 +4,9 @@
     python benchmarks/overhead.py --cpus 0      # on every core the process may use
 
 The simulated engine answers at once (latency 0, no concurrency cap) and the simulated trainer
-returns at once, so what is left is the pipeline itself: admission, one task per group, the
-reward call, the buffer, batch selection, publishing an (empty) adapter per step, loading it,
+returns at once, so what is left is the pipeline itself: admission, one engine call per batch
+of groups admitted together (the simulated engine has `generate_many`), the reward call, the
+buffer, batch selection, publishing an (empty) adapter per step with its fsyncs, loading it,
 and logging every group to zarr.
 
 How the figures are measured:

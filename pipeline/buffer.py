@@ -196,11 +196,20 @@ class RolloutBuffer:
 
     async def put(self, group: RolloutGroup) -> None:
         """A group finished generation and scoring; waits while the buffer is full."""
+        await self.put_many([group])
+
+    async def put_many(self, groups: list[RolloutGroup]) -> None:
+        """Completed groups, in order; each waits while the buffer is full. One wake-up for all."""
         async with self._cond:
-            while len(self._completed) >= self.capacity and not self._closed:
-                await self._cond.wait()
-            self.put_nowait(group)
-            self._cond.notify_all()
+            for group in groups:
+                while len(self._completed) >= self.capacity and not self._closed:
+                    self._cond.notify_all()  # what is stored so far may be what the consumer waits for
+                    await self._cond.wait()
+                self.put_nowait(group)
+            # A batch can be selected only once B groups are complete, or the last in flight is
+            # in: waking the consumer for each put re-ran its selection per group for nothing.
+            if len(self._completed) >= self.B or not self._in_flight:
+                self._cond.notify_all()
 
     async def fail(self, group_id: int, reason: str) -> None:
         """An in-flight group failed (generation or reward); its slot is given back."""
@@ -301,6 +310,9 @@ class RolloutBuffer:
         """After close: account an in-flight group that will never finish as dropped."""
         if group_id in self._in_flight:
             self.drop_nowait(group_id, reason)
+
+    def is_in_flight(self, group_id: int) -> bool:
+        return group_id in self._in_flight
 
     @property
     def closed(self) -> bool:

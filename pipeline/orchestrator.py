@@ -57,8 +57,8 @@ from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
 from pipeline.checkpoint import CheckpointStore
 from pipeline.config import RunConfig, dump_toml
 from pipeline.engines.base import Engine
-from pipeline.errors import (AdapterError, ConfigError, EngineDeadError, FatalError, PromptError, RecoverableError,
-                             RewardError, TrainerError)
+from pipeline.errors import (AdapterError, ConfigError, EngineDeadError, FatalError, GenerationError, PromptError,
+                             RecoverableError, RewardError, TrainerError)
 from pipeline.faults import crash_point
 from pipeline.ledger import Ledger
 from pipeline.log import close_logging, configure_logging
@@ -73,6 +73,9 @@ log = structlog.get_logger(__name__)
 
 _DONE = object()
 MAX_CONSECUTIVE_FAILURES = 64  # this many groups failing in a row means the cause is not one group
+FLUSH_GROUPS = 4096  # pending RolloutLog groups that make the flush loop write before its second is up
+# an engine call failing with one of these fails that attempt, not the run
+_ENGINE_ERRORS = (RecoverableError, TimeoutError, EngineDeadError, RuntimeError, ValueError, OSError)
 
 
 @dataclass(frozen=True)
@@ -232,7 +235,7 @@ class Pipeline:
         self.store = AdapterStore(cfg.store.root or self.run_dir / "adapters", base_model=str(self.model_path or ""),
                                   keep_last=cfg.store.keep_last)
         self.rollout_log = RolloutLog(self.run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)},
-                                      flush_every=4096)
+                                      flush_every=8 * FLUSH_GROUPS)
         if self._resume:
             # what happened after the checkpoint is redone: cut it from the log, the store and the metrics
             self.rollout_log.truncate(int(ck.state["log_rows"]) if ck else 0)
@@ -480,24 +483,61 @@ class Pipeline:
         return prompt
 
     async def _admission_loop(self) -> None:
-        """Consumes ledger ids (stream positions); produces one group task per admitted group; waits on admission."""
+        """Consumes ledger ids (stream positions); produces generation tasks; waits on admission.
+
+        Groups admitted together share a version: with an engine that samples many groups per
+        call (`generate_many`) they go as one call, up to batch_groups at a time; otherwise each
+        gets its own task. One task per group costs more than the group itself once the engine
+        is fast, so batching is what keeps the loop's cost per group small.
+        """
+        batching = [hasattr(e, "generate_many") for e in self.engines]
+        max_wave = self.config.pipeline.batch_groups if all(batching) else 1
         while (gid := self.ledger.next_id()) is not None:
-            try:
-                prompt = self._to_prompt(self.source.item_at(gid))
-            except PromptError as e:  # one malformed prompt is refused, not the run
-                self.ledger.settle(gid, "refused", "malformed")
-                log.warning("prompt_refused", group_id=gid, reason=str(e))
+            prompt = self._prompt_or_refuse(gid)
+            if prompt is None:
                 continue
             adm = await self.buffer.admit(gid)
             if adm is None:
                 self.ledger.give_back(gid)
                 return
-            crash_point("admission")
-            self.ledger.set_state(gid, "in_flight")
-            self._live[gid] = (prompt, adm.version, adm.t_admitted)
-            self._spawn(self._group_task(adm, prompt), f"group-{gid}")
+            wave = [self._start(adm, prompt)]
+            # more groups that may start now, without waiting: the same version, so one call
+            while self.buffer.admission_room() > 0 and (gid := self.ledger.next_id()) is not None:
+                prompt = self._prompt_or_refuse(gid)
+                if prompt is None:
+                    continue
+                adm = self.buffer.try_admit(gid)
+                if adm is None:
+                    self.ledger.give_back(gid)
+                    break
+                wave.append(self._start(adm, prompt))
+            for i in range(0, len(wave), max_wave):
+                part = wave[i:i + max_wave]
+                if max_wave == 1:
+                    self._spawn(self._group_task(*part[0]), f"group-{part[0][0].group_id}")
+                else:
+                    self._spawn(self._wave_task(part), f"groups-{part[0][0].group_id}+{len(part)}")
         await self.buffer.finish_admission()
         log.info("prompts_exhausted", cursor=self.ledger.cursor)
+
+    def _prompt_or_refuse(self, gid: int) -> Prompt | None:
+        """Item `gid` of the stream as a Prompt; a malformed one is refused (settled), not the run."""
+        try:
+            return self._to_prompt(self.source.item_at(gid))
+        except PromptError as e:
+            self.ledger.settle(gid, "refused", "malformed")
+            log.warning("prompt_refused", group_id=gid, reason=str(e))
+            return None
+
+    def _start(self, adm: Admission, prompt: Prompt) -> tuple[Admission, GroupRequest]:
+        """An admitted group is in flight: its request, and its entry among the live groups."""
+        crash_point("admission")
+        gid = adm.group_id
+        self.ledger.set_state(gid, "in_flight")
+        self._live[gid] = (prompt, adm.version, adm.t_admitted)
+        cfg = self.config
+        seed = (cfg.seed * 1_000_003 + gid) % 2**31 if cfg.sampling.per_request_seed else None
+        return adm, GroupRequest(gid, prompt, cfg.sampling.n, cfg.sampling.max_new_tokens, seed)
 
     def _pick_engine(self) -> Engine:
         if not self._healthy:
@@ -516,12 +556,14 @@ class Pipeline:
             log.error("engine_out_of_rotation", engine=engine.name, consecutive_errors=self._engine_errors[engine.name],
                       error=repr(error), engines_left=[e.name for e in self._healthy])
 
-    async def _generate(self, adm: Admission, request: GroupRequest) -> Generation | None:
+    async def _generate(self, adm: Admission, request: GroupRequest, attempt: int = 0) -> Generation | None:
         """One group from the engines: retried (with backoff, on the least loaded engine) until it
-        succeeds or engine.retries are spent; None means it failed for good (already settled)."""
+        succeeds or engine.retries are spent; None means it failed for good (already settled).
+        `attempt` > 0 continues the retries of a group whose batch call failed it."""
         ec = self.config.engine
-        attempt = 0
         while True:
+            if attempt:
+                await asyncio.sleep(ec.retry_backoff_s * 2 ** (attempt - 1))
             engine = self._pick_engine()
             self._engine_load[engine.name] += 1
             try:
@@ -529,67 +571,121 @@ class Pipeline:
                     gen = await engine.generate(request, self._adapters[adm.version])
                 self._engine_errors[engine.name] = 0
                 return gen
-            except (RecoverableError, TimeoutError, EngineDeadError, RuntimeError, ValueError, OSError) as e:
-                # an engine call failing is this attempt's failure, counted and logged, not the run's
-                reason = "generation_timeout" if isinstance(e, TimeoutError) else "generation_error"
+            except _ENGINE_ERRORS as e:
                 self._engine_failed(engine, e)
-                if isinstance(e, EngineDeadError) and self._healthy:
-                    continue  # another engine takes it; a dead engine's calls do not use up retries
-                if attempt >= ec.retries or not self._healthy:
-                    log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason,
-                                attempts=attempt + 1, error=repr(e))
-                    await self._settle_failed(adm.group_id, reason, None, None)
-                    if not self._healthy:
-                        self._pick_engine()  # raises: nothing can generate any more
+                attempt = await self._after_failed_attempt(adm, engine, e, attempt)
+                if attempt < 0:
                     return None
-                self._retries += 1
-                log.info("generation_retry", group_id=adm.group_id, engine=engine.name, attempt=attempt + 1,
-                         reason=reason, error=repr(e))
-                await asyncio.sleep(ec.retry_backoff_s * 2 ** attempt)
-                attempt += 1
             finally:
                 self._engine_load[engine.name] -= 1
 
-    async def _group_task(self, adm: Admission, prompt: Prompt) -> None:
+    async def _after_failed_attempt(self, adm: Admission, engine: Engine, error: BaseException, attempt: int) -> int:
+        """The attempt to retry next, or -1: the group failed for good (settled here).
+
+        An engine call failing is this attempt's failure, counted and logged, not the run's; a
+        dead engine's calls do not use up retries (another engine takes the group)."""
+        ec = self.config.engine
+        reason = "generation_timeout" if isinstance(error, TimeoutError) else "generation_error"
+        if isinstance(error, EngineDeadError) and self._healthy:
+            return attempt
+        if attempt >= ec.retries or not self._healthy:
+            log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason,
+                        attempts=attempt + 1, error=repr(error))
+            await self._settle_failed(adm.group_id, reason, None, None)
+            if not self._healthy:
+                self._pick_engine()  # raises: nothing can generate any more
+            return -1
+        self._retries += 1
+        log.info("generation_retry", group_id=adm.group_id, engine=engine.name, attempt=attempt + 1,
+                 reason=reason, error=repr(error))
+        return attempt + 1
+
+    async def _group_task(self, adm: Admission, request: GroupRequest, attempt: int = 0) -> None:
         """Generates, scores and buffers one group; every outcome leaves through _settle."""
+        gen = await self._generate(adm, request, attempt)
+        if gen is not None:
+            await self._accept([(adm, gen)])
+
+    async def _wave_task(self, wave: list[tuple[Admission, GroupRequest]]) -> None:
+        """Groups admitted together (one version), sampled by one `generate_many` call; a group
+        the call failed goes on alone, through the per-group retries."""
+        ec = self.config.engine
+        engine = self._pick_engine()
+        self._engine_load[engine.name] += 1
+        try:
+            async with asyncio.timeout(ec.request_timeout_s):
+                results = await engine.generate_many([r for _, r in wave], self._adapters[wave[0][0].version])
+            if len(results) != len(wave):
+                raise GenerationError(f"engine {engine.name} returned {len(results)} results for {len(wave)} groups")
+        except _ENGINE_ERRORS as e:
+            results = [e] * len(wave)
+        finally:
+            self._engine_load[engine.name] -= 1
+        done: list[tuple[Admission, Generation]] = []
+        failed = False
+        for (adm, request), r in zip(wave, results):
+            if isinstance(r, Generation):
+                done.append((adm, r))
+                continue
+            if not failed:  # one failed call counts once against the engine
+                self._engine_failed(engine, r)
+                failed = True
+            attempt = await self._after_failed_attempt(adm, engine, r, 0)
+            if attempt >= 0:
+                self._spawn(self._group_task(adm, request, attempt), f"group-{adm.group_id}")
+        if not failed:
+            self._engine_errors[engine.name] = 0
+        if done:
+            await self._accept(done)
+
+    async def _accept(self, items: list[tuple[Admission, Generation]]) -> None:
+        """Check, decode, score and buffer generated groups; each one that cannot be kept is settled."""
         cfg = self.config
-        seed = (cfg.seed * 1_000_003 + adm.group_id) % 2**31 if cfg.sampling.per_request_seed else None
-        request = GroupRequest(adm.group_id, prompt, cfg.sampling.n, cfg.sampling.max_new_tokens, seed)
-        gen = await self._generate(adm, request)
-        if gen is None:
-            return
-        crash_point("group.after_generate")
-        engine = gen.engine
-        self.timeline["generation"].append((gen.t_start, gen.t_end))
-        if gen.version != adm.version or len(gen.completions) != request.n:
-            self._version_mismatches += gen.version != adm.version
-            log.error("generation_contract_broken", group_id=adm.group_id, engine=engine,
-                      asked_version=adm.version, got_version=gen.version, completions=len(gen.completions))
-            await self._settle_failed(adm.group_id, "version_mismatch" if gen.version != adm.version
-                                      else "wrong_completion_count", gen, None)
-            return
-        ids = [c.token_ids.tolist() for c in gen.completions]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True) if self.tokenizer is not None \
-            else [""] * len(ids)
+        keep: list[tuple[Admission, Generation]] = []
+        for adm, gen in items:
+            crash_point("group.after_generate")
+            self.timeline["generation"].append((gen.t_start, gen.t_end))
+            if gen.version != adm.version or len(gen.completions) != gen.request.n:
+                self._version_mismatches += gen.version != adm.version
+                log.error("generation_contract_broken", group_id=adm.group_id, engine=gen.engine,
+                          asked_version=adm.version, got_version=gen.version, completions=len(gen.completions))
+                await self._settle_failed(adm.group_id, "version_mismatch" if gen.version != adm.version
+                                          else "wrong_completion_count", gen, None)
+                continue
+            keep.append((adm, gen))
+        ids = [[c.token_ids.tolist() for c in gen.completions] for _, gen in keep]
+        if self.tokenizer is not None:
+            flat = self.tokenizer.batch_decode([x for per in ids for x in per], skip_special_tokens=True)
+            texts, i = [], 0
+            for per in ids:
+                texts.append(flat[i:i + len(per)])
+                i += len(per)
+        else:
+            texts = [[""] * len(per) for per in ids]
+        scores = await self.scorer.score_many([gen.request.prompt for _, gen in keep], texts, ids)
+        groups: list[RolloutGroup] = []
+        now = time.monotonic()
+        for (adm, gen), rewards in zip(keep, scores):
+            if isinstance(rewards, RewardError):  # a reward bug fails this group; the run goes on
+                log.warning("group_failed", group_id=adm.group_id, reason="reward_error", error=str(rewards))
+                await self._settle_failed(adm.group_id, "reward_error", gen, None)
+                continue
+            self._consecutive_failures = 0
+            if cfg.pipeline.filter_zero_advantage and rewards.min() == rewards.max():
+                await self.buffer.drop(adm.group_id, "zero_advantage")
+                self._record(adm.group_id, "dropped", "zero_advantage", -1, gen, rewards)
+                continue
+            groups.append(RolloutGroup(gen, rewards, now))
         try:
-            rewards = await self.scorer.score(prompt, texts, ids)
-        except RewardError as e:  # a reward bug fails this group; the run goes on
-            log.warning("group_failed", group_id=adm.group_id, reason="reward_error", error=str(e))
-            await self._settle_failed(adm.group_id, "reward_error", gen, None)
-            return
-        self._consecutive_failures = 0
-        group = RolloutGroup(gen, rewards, time.monotonic())
-        if cfg.pipeline.filter_zero_advantage and np.ptp(rewards) == 0:
-            await self.buffer.drop(adm.group_id, "zero_advantage")
-            self._record(group.group_id, "dropped", "zero_advantage", -1, gen, rewards)
-            return
-        try:
-            await self.buffer.put(group)
-            self.ledger.set_state(adm.group_id, "buffered")
+            await self.buffer.put_many(groups)
+            for g in groups:
+                self.ledger.set_state(g.group_id, "buffered")
         except BufferClosed:
-            # shutting down: keep what was produced in the log
-            self.buffer.settle_in_flight(adm.group_id, "shutdown")
-            self._record(adm.group_id, "dropped", "shutdown", -1, gen, rewards)
+            # shutting down: keep what was produced in the log (what was put is the buffer's to report)
+            for g in groups:
+                if self.buffer.is_in_flight(g.group_id):  # not stored before the close
+                    self.buffer.settle_in_flight(g.group_id, "shutdown")
+                    self._record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
 
     async def _settle_failed(self, group_id: int, reason: str, gen: Generation | None,
                              rewards: np.ndarray | None) -> None:
@@ -610,10 +706,17 @@ class Pipeline:
     def _record(self, group_id: int, fate: str, reason: str, step: int, gen: Generation | None,
                 rewards: np.ndarray | None) -> None:
         """The one exit of a group from the system: its RolloutLog entry."""
-        prompt, version, t_adm = self._live.pop(group_id)
-        self.ledger.settle(group_id, fate, reason)
-        self.rollout_log.append(GroupOutcome(group_id, prompt, version, fate, reason, step, gen, rewards,
-                                             t_adm, time.monotonic()))
+        self._record_many([(group_id, fate, reason, step, gen, rewards)])
+
+    def _record_many(self, items: Sequence[tuple[int, str, str, int, Generation | None, np.ndarray | None]]) -> None:
+        """`_record` for several groups, appended to the RolloutLog in one call."""
+        now = time.monotonic()
+        outcomes = []
+        for group_id, fate, reason, step, gen, rewards in items:
+            prompt, version, t_adm = self._live.pop(group_id)
+            self.ledger.settle(group_id, fate, reason)
+            outcomes.append(GroupOutcome(group_id, prompt, version, fate, reason, step, gen, rewards, t_adm, now))
+        self.rollout_log.append_many(outcomes)
 
     async def _adapter_loop(self) -> None:
         """Consumes published versions; produces the serving version; waits on publishes and engine loads."""
@@ -748,8 +851,7 @@ class Pipeline:
             self._published.set()
             self.buffer.commit(sel.groups)
             self._training = []
-            for g in batch.groups:
-                self._record(g.group_id, "trained", "", step, g.generation, g.rewards)
+            self._record_many([(g.group_id, "trained", "", step, g.generation, g.rewards) for g in batch.groups])
             crash_point("step.after_record")
             version = stats.version
             row = self._step_row(batch, stats.metrics, check, wait_s, publish_s, ref)
@@ -792,15 +894,20 @@ class Pipeline:
         self.request_stop(sig.name)
 
     async def _flush_loop(self) -> None:
-        """Consumes the RolloutLog's pending rows; writes them to zarr in a thread about once a second.
+        """Consumes the RolloutLog's pending rows; writes them to zarr in a thread about once a
+        second, or sooner once FLUSH_GROUPS are pending.
 
         Off the train loop: a flush costs tens of milliseconds whatever its size, and a trainer
-        that waited for it would idle that long every time.
+        that waited for it would idle that long every time. Sooner when many are pending, so the
+        log's own backstop (a flush on the appending thread, the event loop) stays unused.
         """
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(1.0)
-            if self.rollout_log.pending:
+            await asyncio.sleep(0.1)
+            pending = self.rollout_log.pending
+            if pending >= FLUSH_GROUPS or (pending and time.monotonic() - last >= 1.0):
                 await asyncio.to_thread(self.rollout_log.flush)
+                last = time.monotonic()
 
     async def _logprob_check(self, batch: Batch) -> dict[str, float]:
         """Recompute the trainer's log-probs of a few groups (under their own versions) against the engine's."""

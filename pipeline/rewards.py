@@ -78,6 +78,23 @@ class RewardScorer:
             out = await out
         return out
 
+    async def score_many(self, prompts: Sequence[Prompt], completions: Sequence[list[str]],
+                         completion_ids: Sequence[list[list[int]]]) -> list[np.ndarray | RewardError]:
+        """`score` for several groups: each one's rewards [n] or its RewardError, in order.
+
+        Groups are scored one after another when every function runs inline (a task each would
+        cost more than the call); otherwise concurrently, as separate groups would be.
+        """
+        async def one(i: int) -> np.ndarray | RewardError:
+            try:
+                return await self.score(prompts[i], completions[i], completion_ids[i])
+            except RewardError as e:
+                return e
+
+        if all(self.inline[i] and not self.is_async[i] for i in range(len(self.fns))):
+            return [await one(i) for i in range(len(prompts))]
+        return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
     async def score(self, prompt: Prompt, completions: list[str], completion_ids: list[list[int]]) -> np.ndarray:
         """Rewards [n] for one group; RewardError if any function fails or returns a bad value."""
         n = len(completions)

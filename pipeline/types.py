@@ -6,6 +6,9 @@ Invariants:
 - For every completion, `len(token_ids) == len(logprobs)`; `logprobs[t]` is the log-probability
   of `token_ids[t]` under the distribution the engine sampled it from.
 - These objects are immutable by convention: arrays are never written after construction.
+  The per-group ones (requests, completions, generations, outcomes) are not `frozen`: a frozen
+  dataclass sets each field through object.__setattr__, which doubled the cost of building
+  the n completions of a group, on the event loop, for every group.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class AdapterRef:
         return AdapterRef(version=0, name="base", path=None)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GroupRequest:
     """Ask an engine for n completions of one prompt (the adapter is passed beside it)."""
 
@@ -51,7 +54,7 @@ class GroupRequest:
     seed: int | None = None  # per-request seed; None uses the engine's own seeded generator
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Completion:
     """One sampled continuation."""
 
@@ -67,7 +70,7 @@ class Completion:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Generation:
     """What an engine returns for one GroupRequest."""
 
@@ -83,7 +86,7 @@ class Generation:
         return sum(len(c.token_ids) for c in self.completions)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RolloutGroup:
     """A scored generation, ready for the buffer."""
 
@@ -112,7 +115,7 @@ class RolloutGroup:
         return self.generation.num_tokens
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GroupOutcome:
     """What became of one admitted group when it left the system (one RolloutLog entry)."""
 
@@ -128,7 +131,7 @@ class GroupOutcome:
     t_done: float  # time.monotonic() when it left the system
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Batch:
     """B groups consumed by one training step."""
 

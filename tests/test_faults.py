@@ -58,8 +58,9 @@ def test_injected_failures_and_hangs_are_retried_and_counted(tmp_path: Path) -> 
     st = p.engines[0].stats
     assert st["injected_failures"] > 0 and st["injected_hangs"] > 0
     failed = sum(s["groups_failed"].values())
-    # each injected fault is one failed attempt: followed by a retry, or the last attempt of a failed group
-    assert st["injected_failures"] + st["injected_hangs"] == s["generation_retries"] + failed
+    # each injected failure, and each group of a hung call, is one failed attempt: followed by a
+    # retry, or the last attempt of a failed group
+    assert st["injected_failures"] + st["hung_groups"] == s["generation_retries"] + failed
     events = read_jsonl(p.run_dir / "events.jsonl")
     retried = Counter(e["group_id"] for e in events if e["event"] == "generation_retry")
     gave_up = [e["group_id"] for e in events if e["event"] == "group_failed"]
@@ -68,8 +69,8 @@ def test_injected_failures_and_hangs_are_retried_and_counted(tmp_path: Path) -> 
     reasons = set(r.groups["reason"][r.groups["fate"] == "failed"].tolist())
     assert reasons <= {"generation_error", "generation_timeout"}
     assert (r.groups["fate"] == "trained").sum() == 40 * 4  # failures gave their slots back: no step starved
-    print(f"faults: {st['requests']} generate calls, {st['injected_failures']} raised and {st['injected_hangs']} hung "
-          f"(injected); {s['generation_retries']} retries; {failed} groups failed after {cfg.engine.retries + 1} "
+    print(f"faults: {st['requests']} groups asked for, {st['injected_failures']} raised and {st['injected_hangs']} calls "
+          f"hung with {st['hung_groups']} groups (injected); {s['generation_retries']} retries; {failed} groups failed after {cfg.engine.retries + 1} "
           f"attempts; {s['groups_trained']} trained; accounting ok")
 
 

@@ -14,6 +14,11 @@ Invariants every engine keeps:
 - `start()` is idempotent: a Pipeline calls it on every engine, including engines the caller
   built and started already (those it does not close either: the caller owns them).
 - Engines never call back into the orchestrator.
+- Optional: `generate_many(requests, adapter)` samples several groups in one call and returns,
+  in order, each one's Generation or the exception that failed it. An engine offers it when
+  one call for many groups is cheaper than one per group (the simulated engine, where the
+  per-call cost is all there is); the orchestrator then starts the groups admitted together
+  as one call. Engines without it get one `generate` per group, each finishing on its own.
 """
 
 from __future__ import annotations

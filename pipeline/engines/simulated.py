@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Sequence
 
 import numpy as np
 
@@ -35,11 +36,13 @@ class SimulatedEngine:
         self.busy = BusyMeter()
         self.stats = {"requests": 0, "cancelled": 0, "tokens": 0}
         self._slots = asyncio.Semaphore(self.cfg.concurrency) if self.cfg.concurrency else None
+        self._taking_slots = asyncio.Lock()
         self._closed = False
         self._tokens: np.ndarray | None = None
         self._logprobs: np.ndarray | None = None
         self._faults = np.random.default_rng([seed, 0xFA17])
-        self.stats.update({"injected_failures": 0, "injected_hangs": 0})
+        # injected hangs count calls; hung_groups the groups those calls held
+        self.stats.update({"injected_failures": 0, "injected_hangs": 0, "hung_groups": 0})
 
     async def start(self) -> None:
         return None
@@ -62,21 +65,38 @@ class SimulatedEngine:
         logprobs = (self._logprobs[off:off + size] - np.float32(0.01 * version)).reshape(request.n, T)
         return tuple(Completion(tokens[i], logprobs[i], "length") for i in range(request.n))
 
-    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
+    def _check_ready(self, adapter: AdapterRef) -> None:
         if self._closed:
             raise EngineDeadError(f"engine {self.name} is closed")
-        if adapter.version not in self.loaded_versions:
-            await self.load_adapter(adapter)
+        self.loaded_versions.add(adapter.version)  # loading costs nothing here
+
+    def _fault(self, request: GroupRequest) -> str | None:
+        """The injected fault of one call ("fail", "hang") or None, drawn from the engine's generator."""
+        if not (self.cfg.fail_rate or self.cfg.hang_rate):
+            return None
+        u = self._faults.random()
+        if u < self.cfg.fail_rate:
+            return "fail"
+        if u < self.cfg.fail_rate + self.cfg.hang_rate:
+            return "hang"
+        return None
+
+    async def _hang(self, groups: int) -> None:
+        """Never return (until the caller's timeout cancels the call), with `groups` groups in it."""
+        self.stats["injected_hangs"] += 1
+        self.stats["hung_groups"] += groups
+        await asyncio.get_running_loop().create_future()
+
+    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
+        self._check_ready(adapter)
         self.stats["requests"] += 1
         t_start = time.monotonic()
-        if self.cfg.fail_rate or self.cfg.hang_rate:
-            u = self._faults.random()
-            if u < self.cfg.fail_rate:
-                self.stats["injected_failures"] += 1
-                raise GenerationError(f"engine {self.name}: injected failure (group {request.group_id})")
-            if u < self.cfg.fail_rate + self.cfg.hang_rate:
-                self.stats["injected_hangs"] += 1
-                await asyncio.get_running_loop().create_future()  # hangs until the caller's timeout cancels it
+        fault = self._fault(request)
+        if fault == "fail":
+            self.stats["injected_failures"] += 1
+            raise GenerationError(f"engine {self.name}: injected failure (group {request.group_id})")
+        if fault == "hang":
+            await self._hang(1)
         try:
             if self._slots is not None:
                 await self._slots.acquire()
@@ -95,10 +115,53 @@ class SimulatedEngine:
         return Generation(request, completions, version=adapter.version, engine=self.name,
                           t_start=t_start, t_end=time.monotonic())
 
+    async def generate_many(self, requests: Sequence[GroupRequest],
+                            adapter: AdapterRef) -> list[Generation | Exception]:
+        """The groups of one batch call, in order; a group's injected failure is its entry.
+
+        The same speed as one `generate` per group started together: the call takes one
+        latency per `concurrency` groups (all of it holds the slots it needs). An injected hang
+        hangs the whole call, as a stuck engine would.
+        """
+        self._check_ready(adapter)
+        self.stats["requests"] += len(requests)
+        t_start = time.monotonic()
+        faults = [self._fault(r) for r in requests]
+        if "hang" in faults:
+            await self._hang(len(requests))
+        self.stats["injected_failures"] += faults.count("fail")
+        slots = min(len(requests), self.cfg.concurrency) if self._slots is not None else 0
+        held = 0
+        try:
+            if slots:
+                # all or nothing: two calls that each held part of the slots would wait on each other
+                async with self._taking_slots:
+                    for _ in range(slots):
+                        await self._slots.acquire()
+                        held += 1
+            with self.busy:
+                if self.cfg.latency_s > 0:
+                    rounds = -(-len(requests) // self.cfg.concurrency) if self.cfg.concurrency else 1
+                    await asyncio.sleep(self.cfg.latency_s * rounds)
+                out: list[Generation | Exception] = []
+                t_end = time.monotonic()
+                for r, fault in zip(requests, faults):
+                    if fault == "fail":
+                        out.append(GenerationError(f"engine {self.name}: injected failure (group {r.group_id})"))
+                        continue
+                    completions = self._synthesize(r, adapter.version)
+                    self.stats["tokens"] += len(completions) * len(completions[0].token_ids) if completions else 0
+                    out.append(Generation(r, completions, adapter.version, self.name, t_start, t_end))
+        except asyncio.CancelledError:
+            self.stats["cancelled"] += len(requests)
+            raise
+        finally:
+            for _ in range(held):
+                self._slots.release()
+        return out
+
     async def load_adapter(self, adapter: AdapterRef) -> None:
-        if self._closed:
-            raise EngineDeadError(f"engine {self.name} is closed")
-        self.loaded_versions.add(adapter.version)
+        self._check_ready(adapter)
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
         if adapter.version != 0:
