@@ -245,6 +245,7 @@ class TrainerConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # base weights; LoRA weights are always float32
     step_s: float = 0.0  # simulated trainer only: seconds per step
     separate_process: bool = True  # train in a child process, so steps never hold the event loop's GIL
+    nice: int = 10  # niceness of that process (0-19): when cores are short, the event loop and engines go first
     max_consecutive_skips: int = 3  # this many non-finite steps in a row stop the run (after a checkpoint)
     step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
 
@@ -262,6 +263,7 @@ class TrainerConfig:
                "a non-empty list of module names", self.target_modules)
         _check(self.micro_batch_sequences >= 1, "trainer.micro_batch_sequences", ">= 1", self.micro_batch_sequences)
         _check(self.step_s >= 0, "trainer.step_s", ">= 0", self.step_s)
+        _check(0 <= self.nice <= 19, "trainer.nice", "in [0, 19]", self.nice)
         _check(self.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", ">= 1", self.max_consecutive_skips)
         _check(self.step_timeout_s > 0, "trainer.step_timeout_s", "> 0", self.step_timeout_s)
 
@@ -299,6 +301,7 @@ class PipelineConfig:
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for tasks before giving up
     checkpoint_every: int = 10  # steps between checkpoints (also one at the end and on SIGINT/SIGTERM); 0 = those only
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    switch_interval_ms: float = 1.0  # Python's GIL switch interval during a run (0 = leave it): the loop waits less for a worker thread
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "pipeline.steps", ">= 1", self.steps)
@@ -312,6 +315,8 @@ class PipelineConfig:
         _check(self.shutdown_timeout_s > 0, "pipeline.shutdown_timeout_s", "> 0", self.shutdown_timeout_s)
         _check(self.checkpoint_every >= 0, "pipeline.checkpoint_every", ">= 0", self.checkpoint_every)
         _check(self.keep_checkpoints >= 1, "pipeline.keep_checkpoints", ">= 1", self.keep_checkpoints)
+        _check(0 <= self.switch_interval_ms <= 1000, "pipeline.switch_interval_ms", "in [0, 1000]",
+               self.switch_interval_ms)
 
     @property
     def capacity(self) -> int:

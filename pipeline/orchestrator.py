@@ -174,6 +174,7 @@ class Pipeline:
         self.buffer: RolloutBuffer | None = None  # None until set-up has finished
         self.trainer: Any = None
         self._threads_before: int | None = None  # torch threads to restore at the end
+        self._switch_before: float | None = None  # the GIL switch interval to restore at the end
         self._stop = asyncio.Event()
         self.stopped_by: str | None = None  # what asked the run to stop early (a signal name, "request")
         self._signals_installed = False
@@ -438,6 +439,11 @@ class Pipeline:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self._on_signal, sig)
             self._signals_installed = True
+        if self.config.pipeline.switch_interval_ms:
+            # a worker thread holding the GIL (the engine's Python glue, a zarr flush) keeps the
+            # loop waiting up to this long; Python's 5 ms default was the loop's lag on 2 cores
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(self.config.pipeline.switch_interval_ms / 1000)
         self.lag.start()
         self._t_start = time.monotonic()
         # engines may have served earlier runs: this run's busy time counts from here
@@ -1004,6 +1010,8 @@ class Pipeline:
             import torch
 
             torch.set_num_threads(self._threads_before)
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
         if self._user_trainer is None and self.trainer is not None:
             await asyncio.to_thread(self.trainer.close)
         if self._built_engines:
