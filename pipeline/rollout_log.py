@@ -49,7 +49,7 @@ from zarr.core.sync import sync as zarr_sync  # what Array's own methods use to 
 
 from pipeline.errors import ConfigError
 from pipeline.faults import crash_point
-from pipeline.types import Completion, GroupOutcome
+from pipeline.types import GroupOutcome
 
 log = structlog.get_logger(__name__)
 
