@@ -1,8 +1,9 @@
 """The Pipeline: builds the components from a config and runs the loops on one event loop.
 
-    ledger ids ─► _admission_loop ─► _group_task (one per group) ────────────► RolloutBuffer
-                 │ buffer.admit()   engine.generate(n) → decode → reward            │
-                 │ (staleness bound)  (retried; failing engines leave rotation)     │ get_batch (EDF)
+    ledger ids ─► _admission_loop ─► _group_task (a group) or _wave_task ─────► RolloutBuffer
+                 │ buffer.admit()   (the groups admitted together: generate_many)   │
+                 │ (staleness bound)  generate(n) → decode → reward (_accept)       │ get_batch (EDF)
+                 │                    (retried; failing engines leave rotation)     │
                  ▼                                                                  ▼
     serving version ◄─ _adapter_loop ◄─ AdapterStore.publish ◄──────────── _train_loop
                        verify, engine.load_adapter(v)   (shared filesystem)  trainer.step (thread)
