@@ -302,6 +302,7 @@ class PipelineConfig:
     checkpoint_every: int = 10  # steps between checkpoints (also one at the end and on SIGINT/SIGTERM); 0 = those only
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     switch_interval_ms: float = 1.0  # Python's GIL switch interval during a run (0 = leave it): the loop waits less for a worker thread
+    gc_threshold: int = 100_000  # allocations between young-generation GC passes during a run (0 = leave Python's 700)
 
     def __post_init__(self) -> None:
         _check(self.steps >= 1, "pipeline.steps", ">= 1", self.steps)
@@ -315,6 +316,7 @@ class PipelineConfig:
         _check(self.shutdown_timeout_s > 0, "pipeline.shutdown_timeout_s", "> 0", self.shutdown_timeout_s)
         _check(self.checkpoint_every >= 0, "pipeline.checkpoint_every", ">= 0", self.checkpoint_every)
         _check(self.keep_checkpoints >= 1, "pipeline.keep_checkpoints", ">= 1", self.keep_checkpoints)
+        _check(self.gc_threshold >= 0, "pipeline.gc_threshold", ">= 0", self.gc_threshold)
         _check(0 <= self.switch_interval_ms <= 1000, "pipeline.switch_interval_ms", "in [0, 1000]",
                self.switch_interval_ms)
 
