@@ -472,9 +472,7 @@ class RolloutLog:
                        "prompt_tokens": int(a["prompt_tok_off"][g]) + int(a["prompt_tok_len"][g])}
             self._commit(new)  # readers see the shorter log from here; the arrays are trimmed after
             self._committed = new
-            for arrays, _, key in _SECTIONS.values():
-                for name in arrays:
-                    self._arrays[name].resize((new[key],))
+            self._trim()
             cut = c["groups"] - groups
             self._load_index(groups)
         log.warning("rollout_log_truncated", path=str(self.path), kept=groups, cut=cut)
