@@ -1,11 +1,14 @@
 """Atomic, versioned adapter directories on a (shared) filesystem.
 
 The trainer publishes each new policy version here; engines load a version by reading its
-directory directly (vLLM's `LoRARequest`, peft's `load_adapter`).
+directory directly (vLLM's `LoRARequest`, peft's `load_adapter`). A store holds one kind of
+version: LoRA adapters (`kind="lora"`), or whole models for full-weight updates
+(`kind="full"`: what `save_pretrained` writes, read by every engine's weight loader).
 
 Layout under `root`:
 
-    root/v000007-1a2b3c4d/{adapter_config.json, adapter_model.safetensors, manifest.json}
+    root/v000007-1a2b3c4d/{adapter_config.json, adapter_model.safetensors, manifest.json}   (lora)
+    root/v000007-1a2b3c4d/{config.json, model.safetensors, ..., manifest.json}              (full)
     root/.tmp-*/          in-progress publishes and deletions: never listed, removed on open
 
 Invariants:
@@ -16,6 +19,8 @@ Invariants:
   8 hex digits of the content hash, so a name is never reused for different weights.
 - Content hash = sha256 over the sorted `(filename, file sha256)` pairs of the adapter files
   (every file but manifest.json), one `name NUL hexdigest LF` record per file.
+- The manifest names the kind; a store refuses a version of the other kind (a LoRA adapter is
+  not a model, and the reverse). Manifests without a kind were written by LoRA-only stores.
 - Versions only increase: a publish of a version <= the newest this store has seen is refused.
 - Adapters are read only from safetensors: pickle files (`*.bin`, `*.pt`, ...) are refused both
   at publish and at load.
@@ -61,6 +66,7 @@ log = structlog.get_logger(__name__)
 
 MANIFEST = "manifest.json"
 CONFIG = "adapter_config.json"
+CONFIGS = {"lora": CONFIG, "full": "config.json"}  # kind -> the file a version of that kind must hold
 MANIFEST_FORMAT = 1
 TMP_PREFIX = ".tmp-"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")  # torch.load/pickle can run code
@@ -113,14 +119,17 @@ class AdapterStore:
     """Publish, list, verify, wait for and prune adapter versions under one root directory."""
 
     def __init__(self, root: str | os.PathLike[str], base_model: str = "", keep_last: int = 2,
-                 *, poll_interval: float = 0.5, readonly: bool = False) -> None:
+                 *, poll_interval: float = 0.5, readonly: bool = False, kind: str = "lora") -> None:
         """Open (and, unless `readonly`, create and clean) the store at `root`.
 
         poll_interval: seconds between directory re-scans in `wait_for`; only the fallback for
             publishes by other processes (in-process publishes wake waiters at once).
         readonly: for readers (engines) sharing the root with a publisher elsewhere: nothing is
             created or removed, and `publish`/`prune` are refused.
+        kind: "lora" (adapter directories) or "full" (whole models, for full-weight updates).
         """
+        if kind not in CONFIGS:
+            raise ValueError(f"kind must be one of {', '.join(CONFIGS)}, got {kind!r}")
         if keep_last < 0:
             raise ValueError(f"keep_last must be >= 0, got {keep_last}")
         if poll_interval <= 0:
@@ -133,6 +142,7 @@ class AdapterStore:
         self.keep_last = keep_last
         self.poll_interval = poll_interval
         self.readonly = readonly
+        self.kind = kind
         # publish/prune hold _write_lock for seconds (a save_pretrained); the event loop only ever
         # takes _state_lock, held for a few statements, so it never waits on a disk write
         self._write_lock = threading.Lock()
@@ -295,8 +305,7 @@ class AdapterStore:
             raise AdapterNotFoundError(
                 f"adapter {path.name}: directory {path} does not exist (pruned or discarded?)")
 
-    @staticmethod
-    def _read_manifest(path: Path) -> dict[str, Any]:
+    def _read_manifest(self, path: Path) -> dict[str, Any]:
         """Parse and check the manifest of a version directory against its name (no file hashing)."""
         m = _NAME_RE.match(path.name)
         if m is None:
@@ -305,10 +314,10 @@ class AdapterStore:
         try:
             raw = (path / MANIFEST).read_text()
         except FileNotFoundError as e:
-            AdapterStore._raise_if_vanished(path)
+            self._raise_if_vanished(path)
             raise AdapterCorruptError(f"adapter {name}: {MANIFEST} is missing") from e
         except OSError as e:
-            AdapterStore._raise_if_vanished(path)
+            self._raise_if_vanished(path)
             raise AdapterCorruptError(f"adapter {name}: cannot read {MANIFEST}: {_errno_text(e)}") from e
         try:
             manifest = json.loads(raw)
@@ -331,8 +340,14 @@ class AdapterStore:
         for fname in files:
             if fname in (MANIFEST, "", ".", "..") or any(c in fname for c in "/\\\0"):
                 raise bad(f"lists an invalid file name {fname!r}")
-        if CONFIG not in files or not any(f.endswith(".safetensors") for f in files):
-            raise bad(f"must list {CONFIG} and at least one .safetensors file, lists {sorted(files)}")
+        kind = manifest.get("kind", "lora")
+        if kind != self.kind:
+            raise bad(f"says kind {kind!r} but this store holds {self.kind!r} versions "
+                      f"({'full-weight models' if self.kind == 'full' else 'LoRA adapters'}): "
+                      "trainer.update must match what the directory was published with")
+        config = CONFIGS[self.kind]
+        if config not in files or not any(f.endswith(".safetensors") for f in files):
+            raise bad(f"must list {config} and at least one .safetensors file, lists {sorted(files)}")
         stated = manifest.get("content_sha256")
         computed = content_hash(files)
         if stated != computed:
@@ -371,7 +386,7 @@ class AdapterStore:
                 stage = "hashing the adapter files"
                 files = self._hash_new_files(tmp)
                 digest = content_hash(files)
-                manifest = {"format": MANIFEST_FORMAT, "version": version, "base_model": self.base_model,
+                manifest = {"format": MANIFEST_FORMAT, "version": version, "kind": self.kind, "base_model": self.base_model,
                             "created": time.time(), "files": files, "content_sha256": digest}
                 stage = "writing the manifest"
                 with open(tmp / MANIFEST, "w") as f:
@@ -420,8 +435,7 @@ class AdapterStore:
         except StoreError as e:  # the publish already failed and says so; this only adds the leftover
             log.error("adapter_take_back_failed", path=str(final), error=str(e))
 
-    @staticmethod
-    def _hash_new_files(tmp: Path) -> dict[str, str]:
+    def _hash_new_files(self, tmp: Path) -> dict[str, str]:
         """Check what `write` produced and hash it: name -> sha256 of every file."""
         names = sorted(os.listdir(tmp))
         for name in names:
@@ -436,8 +450,10 @@ class AdapterStore:
                              f"from safetensors (save with safe_serialization=True)")
         if MANIFEST in names:
             raise StoreError(f"{MANIFEST} in {tmp} is written by the store, not by the adapter writer")
-        if CONFIG not in names:
-            raise StoreError(f"refusing to publish {tmp}: {CONFIG} is missing (found {names})")
+        config = CONFIGS[self.kind]
+        if config not in names:
+            raise StoreError(f"refusing to publish {tmp}: {config} is missing (found {names}); "
+                             f"a {self.kind} store publishes {'whole models' if self.kind == 'full' else 'LoRA adapters'}")
         if not any(n.endswith(".safetensors") for n in names):
             raise StoreError(f"refusing to publish {tmp}: no .safetensors file (found {names})")
         return {name: _sha256_file(tmp / name) for name in names}

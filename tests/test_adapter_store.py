@@ -748,3 +748,51 @@ def test_discard_after_refuses_readonly_stores_and_bad_versions(tmp_path: Path) 
         with pytest.raises(ValueError, match="int >= 0"):
             store.discard_after(bad)  # type: ignore[arg-type]
     assert store.versions() == [1]
+
+
+# --- full-weight versions -------------------------------------------------------------------
+
+
+def model_writer(value: float = 0.0):
+    """A write callback like a model's save_pretrained: config.json + model.safetensors."""
+
+    def write(d: Path) -> None:
+        save_file({"model.embed_tokens.weight": np.full((4, 3), value, dtype=np.float32)}, str(d / "model.safetensors"))
+        (d / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+
+    return write
+
+
+def test_a_full_store_publishes_and_verifies_model_directories(tmp_path: Path) -> None:
+    store = AdapterStore(tmp_path / "a", kind="full")
+    ref = store.publish(1, model_writer(1.0))
+    manifest = json.loads((Path(ref.path) / "manifest.json").read_text())
+    assert manifest["kind"] == "full" and set(manifest["files"]) == {"config.json", "model.safetensors"}
+    assert store.verify_dir(ref.path) == ref
+    with pytest.raises(StoreError, match="config.json is missing"):
+        store.publish(2, writer())  # a LoRA adapter is not a model
+    assert store.versions() == [1]
+
+
+def test_a_store_refuses_a_version_of_the_other_kind(tmp_path: Path) -> None:
+    full = AdapterStore(tmp_path / "a", kind="full")
+    ref = full.publish(1, model_writer())
+    with pytest.raises(AdapterCorruptError, match="kind 'full'.*'lora'.*trainer.update"):
+        AdapterStore(tmp_path / "a", readonly=True).verify_dir(ref.path)
+    lora = AdapterStore(tmp_path / "b")
+    lref = lora.publish(1, writer())
+    with pytest.raises(AdapterCorruptError, match="kind 'lora'.*'full'"):
+        AdapterStore(tmp_path / "b", readonly=True, kind="full").verify_dir(lref.path)
+    with pytest.raises(ValueError, match="kind must be one of lora, full"):
+        AdapterStore(tmp_path / "c", kind="weights")
+
+
+def test_a_manifest_without_a_kind_is_a_lora_adapter(tmp_path: Path) -> None:
+    """Stores written before full-weight updates existed still load."""
+    store = AdapterStore(tmp_path / "a")
+    ref = store.publish(1, writer())
+    path = Path(ref.path) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["kind"]
+    path.write_text(json.dumps(manifest))
+    assert store.verify_dir(ref.path) == ref
