@@ -232,6 +232,7 @@ class TrainerConfig:
     """The LoRA trainer on its own device."""
 
     kind: Literal["peft", "simulated"] = "peft"  # simulated: a trainer that only waits (benchmarks)
+    update: Literal["lora", "full"] = "lora"  # publish a LoRA adapter per version, or the full weights (lora_* unused)
     device: str = "cpu"  # "cpu" or "cuda:N"
     lr: float = 1e-2  # for the CPU demo's tiny random model; real models want ~1e-5 to 1e-4
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -242,7 +243,7 @@ class TrainerConfig:
     lora_dropout: float = 0.0  # dropout on the LoRA path while training
     target_modules: tuple[str, ...] = ("all-linear",)  # module names, or "all-linear"
     micro_batch_sequences: int = 64  # sequences per forward/backward (gradient accumulation)
-    dtype: Literal["float32", "bfloat16"] = "float32"  # base weights; LoRA weights are always float32
+    dtype: Literal["float32", "bfloat16"] = "float32"  # base weights (LoRA's are always float32); update = full trains in it
     step_s: float = 0.0  # simulated trainer only: seconds per step
     separate_process: bool = True  # train in a child process, so steps never hold the event loop's GIL
     nice: int = 10  # niceness of that process (0-19): when cores are short, the event loop and engines go first
