@@ -14,6 +14,10 @@ Invariants every engine keeps:
 - `start()` is idempotent: a Pipeline calls it on every engine, including engines the caller
   built and started already (those it does not close either: the caller owns them).
 - Engines never call back into the orchestrator.
+- Full-weight updates (built with `full_weights=True`): a version is a whole model directory
+  and an engine holds one version at a time. `load_adapter` replaces the weights (the caller
+  drains the engine's groups first; the engine waits for any still running); `generate` for
+  any version but the loaded one raises GenerationError; `unload_adapter` does nothing.
 - Optional: `generate_many(requests, adapter)` samples several groups in one call and returns,
   in order, each one's Generation or the exception that failed it. An engine offers it when
   one call for many groups is cheaper than one per group (the simulated engine, where the
@@ -23,8 +27,10 @@ Invariants every engine keeps:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pipeline.errors import AdapterCorruptError, AdapterNotFoundError
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Generation, GroupRequest
 
@@ -55,3 +61,21 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Abort what is running and free the engine's resources. Safe to call twice."""
         ...
+
+
+def check_model_dir(adapter: AdapterRef) -> Path:
+    """A full-weight version's absolute directory, refused (naming the path) unless it holds a model.
+
+    Cheap (no weights read): config.json and at least one safetensors file must be there.
+    """
+    if adapter.path is None:
+        raise AdapterNotFoundError(f"version {adapter.version} ({adapter.name}) has no path")
+    path = Path(adapter.path).resolve()
+    if not path.is_dir():
+        raise AdapterNotFoundError(f"version {adapter.version}: directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise AdapterCorruptError(f"version {adapter.version}: {str(path)!r} has no config.json "
+                                  "(a full-weight version is a model directory; is trainer.update right?)")
+    if not any(path.glob("*.safetensors")):
+        raise AdapterCorruptError(f"version {adapter.version}: {str(path)!r} has no safetensors weights")
+    return path

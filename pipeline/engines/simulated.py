@@ -7,6 +7,10 @@ so `concurrency / latency_s` groups per second is the generator's standalone rat
 Tokens are deterministic in (seed, group id, version, request seed): a test can tell versions apart.
 Fault injection: a share `fail_rate` of calls raises GenerationError and a share `hang_rate`
 never returns (until cancelled), drawn from the engine's own seeded generator.
+Full-weight updates (`full_weights=True`): the engine holds one version, as a GPU engine holds
+one copy of the weights. A call for any other version raises GenerationError, and loading
+another version while any call runs raises GenerationError too: the orchestrator drains before
+it loads, so a test that sees this error has found a group that would straddle two versions.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ class SimulatedEngine:
     """An engine that waits instead of computing."""
 
     def __init__(self, cfg: SimulatedEngineConfig | None = None, *, seed: int = 0, name: str = "simulated-0",
-                 eos_token_id: int = 0) -> None:
+                 eos_token_id: int = 0, full_weights: bool = False) -> None:
         self.cfg = cfg or SimulatedEngineConfig()
         self.name = name
         self.seed = seed
@@ -43,6 +47,9 @@ class SimulatedEngine:
         self._faults = np.random.default_rng([seed, 0xFA17])
         # injected hangs count calls; hung_groups the groups those calls held
         self.stats.update({"injected_failures": 0, "injected_hangs": 0, "hung_groups": 0})
+        self.full_weights = full_weights
+        self._weights = AdapterRef.base()  # full-weight mode: the one version held
+        self._calls = 0  # full-weight mode: generate / generate_many calls running
 
     async def start(self) -> None:
         return None
@@ -88,6 +95,16 @@ class SimulatedEngine:
         await asyncio.get_running_loop().create_future()
 
     async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
+        if not self.full_weights:
+            return await self._generate(request, adapter)
+        self._check_weights(adapter, [request])
+        self._calls += 1
+        try:
+            return await self._generate(request, adapter)
+        finally:
+            self._calls -= 1
+
+    async def _generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
         self._check_ready(adapter)
         self.stats["requests"] += 1
         t_start = time.monotonic()
@@ -117,6 +134,18 @@ class SimulatedEngine:
 
     async def generate_many(self, requests: Sequence[GroupRequest],
                             adapter: AdapterRef) -> list[Generation | Exception]:
+        """See `_generate_many`; in full-weight mode only for the version held."""
+        if not self.full_weights:
+            return await self._generate_many(requests, adapter)
+        self._check_weights(adapter, requests)
+        self._calls += 1
+        try:
+            return await self._generate_many(requests, adapter)
+        finally:
+            self._calls -= 1
+
+    async def _generate_many(self, requests: Sequence[GroupRequest],
+                             adapter: AdapterRef) -> list[Generation | Exception]:
         """The groups of one batch call, in order; a group's injected failure is its entry.
 
         The same speed as one `generate` per group started together: the call takes one
@@ -161,11 +190,40 @@ class SimulatedEngine:
         return out
 
     async def load_adapter(self, adapter: AdapterRef) -> None:
+        if self.full_weights:
+            self._swap_weights(adapter)
+            return
         self._check_ready(adapter)
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
+        if self.full_weights:
+            return  # one version at a time: the next load replaces it
         if adapter.version != 0:
             self.loaded_versions.discard(adapter.version)
 
     async def close(self) -> None:
         self._closed = True
+
+    def _check_weights(self, adapter: AdapterRef, requests: Sequence[GroupRequest]) -> None:
+        """Full-weight mode: refuse a call for any version but the one held."""
+        if self._closed:
+            raise EngineDeadError(f"engine {self.name} is closed")
+        held = self._weights
+        if adapter.version != held.version or adapter.name != held.name:
+            raise GenerationError(f"engine {self.name} holds the full weights of version {held.version} "
+                                  f"({held.name}); groups {[r.group_id for r in requests]} asked for version "
+                                  f"{adapter.version} ({adapter.name})")
+
+    def _swap_weights(self, adapter: AdapterRef) -> None:
+        """Full-weight mode: hold `adapter`'s version from now on; refused while any call runs."""
+        if self._closed:
+            raise EngineDeadError(f"engine {self.name} is closed")
+        held = self._weights
+        if adapter.version == held.version and adapter.name == held.name:
+            return
+        if self._calls:
+            raise GenerationError(f"engine {self.name}: load of version {adapter.version} while {self._calls} "
+                                  f"call(s) still sample with version {held.version}; a full-weight engine "
+                                  "holds one version, so its calls must finish (drain) before another loads")
+        self._weights = adapter
+        self.loaded_versions = {adapter.version}

@@ -20,6 +20,16 @@ Invariants (beyond the Engine protocol's):
   `max_new_tokens` tokens ("length"). Finished and cancelled rows leave the batch between steps.
 - A version with pending or running requests is never unloaded; when every loaded version is in
   use, the engine exceeds `max_loaded_adapters` rather than break a running group.
+- Full-weight updates (`full_weights=True`): no peft; the model holds one version's weights.
+  `load_adapter(v)` waits until none of the engine's requests is queued or running (queued
+  groups are not worker jobs yet, so job order alone would not keep them on the old weights),
+  then, on the worker, reads v's safetensors (the base model's directory for version 0) into a
+  staging state dict, checks every name and shape against the model and copies the tensors
+  into the model's own parameters in place. A directory that does not check out is refused
+  before any weight is written: the engine keeps serving the previous version intact.
+  `generate` for any version but the one held (or, while a load is under way, the one being
+  loaded, which the call waits for) raises GenerationError: a group is never sampled with
+  other weights than its label. `unload_adapter` does nothing.
 """
 
 from __future__ import annotations
@@ -33,22 +43,25 @@ from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import structlog
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from transformers import DynamicCache
 
 from pipeline import models
 from pipeline.config import SamplingConfig, TransformersEngineConfig
+from pipeline.engines.base import check_model_dir
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
     AdapterNotFoundError,
     ConfigError,
     EngineDeadError,
+    GenerationError,
     PromptError,
 )
 from pipeline.metrics import BusyMeter
@@ -115,6 +128,11 @@ def check_adapter_dir(adapter: AdapterRef) -> Path:
     return path
 
 
+
+def _same(a: AdapterRef | None, b: AdapterRef) -> bool:
+    return a is not None and a.version == b.version and a.name == b.name
+
+
 class TransformersEngine:
     """Samples whole groups with a transformers model (+ peft adapters) on one device."""
 
@@ -131,6 +149,7 @@ class TransformersEngine:
         seed: int = 0,
         name: str = "transformers-0",
         trust_remote_code: bool = False,
+        full_weights: bool = False,
     ) -> None:
         if max_loaded_adapters < 1:
             raise ConfigError(f"max_loaded_adapters must be >= 1, got {max_loaded_adapters}")
@@ -163,6 +182,12 @@ class TransformersEngine:
         self._started = False
         self._closed = False
         self._dead: EngineDeadError | None = None  # set if the batching task itself failed
+        self.full_weights = full_weights
+        # full-weight mode: the version the model holds once every submitted job ran (None: a copy
+        # into the parameters failed half-way, so no version until a load succeeds)
+        self._weights: AdapterRef | None = AdapterRef.base()
+        self._swap: tuple[AdapterRef, asyncio.Task[None]] | None = None  # the weight load under way
+        self._idle = asyncio.Event()  # set whenever no generate call is queued or running
 
         # Worker-thread state.
         self._model: torch.nn.Module | None = None  # the transformers model; peft injects LoRA layers into it
@@ -172,12 +197,15 @@ class TransformersEngine:
         self._has_logits_to_keep = False
         self._vocab_size = 0
         self._max_positions = 0
+        self._worker_weights: AdapterRef | None = AdapterRef.base()  # what the parameters hold now
 
     # ------------------------------------------------------------------ public API
 
     @property
     def loaded_versions(self) -> tuple[int, ...]:
         """Adapter versions loaded or being loaded (the base model, version 0, is not listed)."""
+        if self.full_weights:
+            return () if self._weights is None or self._weights.version == 0 else (self._weights.version,)
         return tuple(sorted(self._loaded))
 
     async def start(self) -> None:
@@ -195,12 +223,14 @@ class TransformersEngine:
         self._check_open()
         t_start = time.monotonic()
         self._check_request(request)
+        if self.full_weights:
+            await self._await_weights(request, adapter)  # nothing is awaited from here to the queue
         self.stats.requests += 1
         version = adapter.version
         self._in_use[version] += 1
         item: _Pending | None = None
         try:
-            if version != 0:
+            if version != 0 and not self.full_weights:
                 await self._ensure_loaded(adapter, own_use=1)
             self._check_open()
             item = _Pending(request, adapter, asyncio.get_running_loop().create_future(), t_start)
@@ -219,12 +249,17 @@ class TransformersEngine:
 
     async def load_adapter(self, adapter: AdapterRef) -> None:
         self._check_open()
+        if self.full_weights:
+            await self._load_weights(adapter)
+            return
         if adapter.version == 0:
             return
         self._unload_requested.discard(adapter.version)
         await self._ensure_loaded(adapter)
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
+        if self.full_weights:
+            return  # one version's weights at a time: the next load replaces them
         version = adapter.version
         if self._closed or version == 0 or version not in self._loaded:
             return
@@ -293,6 +328,8 @@ class TransformersEngine:
         if self._in_use[version] > 0:
             return
         del self._in_use[version]
+        if not self._in_use:
+            self._idle.set()
         if self._closed or version == 0:
             return
         if version in self._unload_requested:
@@ -436,6 +473,8 @@ class TransformersEngine:
         self._max_positions = int(model.config.max_position_embeddings)
         self._eos_ids = self._eos_arg if self._eos_arg is not None else frozenset(self._default_eos_ids(model))
         self._model = model
+        # a (re)start holds the base model; start() awaits this job before anything reads these
+        self._worker_weights = self._weights = AdapterRef.base()
 
     def _default_eos_ids(self, model: torch.nn.Module) -> list[int]:
         eos = None
@@ -487,6 +526,14 @@ class TransformersEngine:
     @contextlib.contextmanager
     def _weights_of(self, version: int) -> Iterator[None]:
         """Forward passes inside use the weights of `version` (0 = the base model)."""
+        if self.full_weights:
+            held = self._worker_weights
+            if held is None or held.version != version:
+                raise GenerationError(f"engine {self.name} holds the full weights of "
+                                      f"{'no version' if held is None else f'version {held.version}'}, "
+                                      f"not version {version}")
+            yield
+            return
         if version == 0:
             if self._peft is not None and self._peft_names:
                 with self._peft.disable_adapter():
@@ -603,3 +650,170 @@ class TransformersEngine:
         )
         return Generation(request=g.request, completions=completions, version=g.adapter.version,
                           engine=self.name, t_start=g.t_start, t_end=time.monotonic())
+
+    # ------------------------------------------------------------------ full weights
+
+    def _holding(self) -> str:
+        """The weights the engine serves, for error messages."""
+        held = self._weights
+        text = "no version (a weight copy failed)" if held is None else f"version {held.version} ({held.name})"
+        if self._swap is not None:
+            text += f", loading version {self._swap[0].version} ({self._swap[0].name})"
+        return text
+
+    async def _await_weights(self, request: GroupRequest, adapter: AdapterRef) -> None:
+        """Return once the model holds `adapter`'s weights (waiting for its load if under way); refuse any other."""
+        while self._swap is not None and _same(self._swap[0], adapter):
+            try:
+                await self._wait_swap(self._swap[1])
+            except AdapterError as e:
+                raise GenerationError(f"engine {self.name}: group {request.group_id} waited for version "
+                                      f"{adapter.version}, whose weights did not load: {e}") from e
+            self._check_open()
+        if self._swap is not None or not _same(self._weights, adapter):
+            raise GenerationError(f"engine {self.name} holds the full weights of {self._holding()}; "
+                                  f"group {request.group_id} asked for version {adapter.version} ({adapter.name})")
+
+    async def _wait_swap(self, task: asyncio.Task[None]) -> None:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                raise EngineDeadError(f"engine {self.name} closed while loading weights") from None
+            raise
+
+    async def _load_weights(self, adapter: AdapterRef) -> None:
+        """Replace the model's weights with `adapter`'s (the base model's for version 0)."""
+        while self._swap is not None:
+            target, task = self._swap
+            if _same(target, adapter):
+                await self._wait_swap(task)
+                return
+            with contextlib.suppress(AdapterError):  # that load's failure went to its own caller
+                await self._wait_swap(task)
+            self._check_open()
+        if _same(self._weights, adapter):
+            return
+        path = self.model_path if adapter.version == 0 else check_model_dir(adapter)
+        task = asyncio.get_running_loop().create_task(self._swap_job(adapter, path),
+                                                      name=f"{self.name}-weights-v{adapter.version}")
+        # Retrieve the outcome even if every awaiter was cancelled (no "never retrieved" noise).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._swap = (adapter, task)
+        await self._wait_swap(task)
+
+    async def _swap_job(self, adapter: AdapterRef, path: Path) -> None:
+        """Waits until no generate call is queued or running, then replaces the weights on the worker."""
+        t0 = time.monotonic()
+        try:
+            # Queued groups are not worker jobs yet, so submission order alone would let them run
+            # after the copy: every one of them finishes on the old weights first.
+            while self._in_use:
+                self._idle.clear()
+                await self._idle.wait()
+            self._check_open()
+            t_drained = time.monotonic()
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._replace_weights, adapter, path)
+        finally:
+            self._weights = self._worker_weights
+            self._swap = None
+        log.info("weights_loaded", engine=self.name, version=adapter.version, path=str(path),
+                 drain_s=round(t_drained - t0, 4), seconds=round(time.monotonic() - t_drained, 4))
+
+    def _replace_weights(self, adapter: AdapterRef, path: Path) -> None:
+        """Worker: read and check every tensor of `path`, then copy them into the model's parameters."""
+        pairs = self._stage_weights(adapter, path)
+        self._worker_weights = None  # from the first tensor copied to the last, no version is whole
+        try:
+            with torch.no_grad():
+                for param, value in pairs:
+                    param.copy_(value)
+        except Exception as e:  # already-copied tensors cannot be taken back; the next load replaces them
+            raise AdapterError(f"engine {self.name}: copying the weights of version {adapter.version} from "
+                               f"{str(path)!r} failed half-way ({type(e).__name__}: {e}); the engine serves no "
+                               "version until a load succeeds") from e
+        self._worker_weights = adapter
+
+    def _stage_weights(self, adapter: AdapterRef, path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Worker: (model tensor, new value in its dtype) for every distinct tensor; nothing is written.
+
+        Refuses, naming the path, a directory whose config is not this model's kind, whose
+        safetensors do not read, or whose tensor names and shapes are not exactly the model's
+        (a tied tensor, like lm_head.weight tied to embed_tokens.weight, may be omitted).
+        """
+        assert self._model is not None  # loaded by start()
+
+        def bad(why: str) -> AdapterCorruptError:
+            return AdapterCorruptError(f"engine {self.name}: version {adapter.version}: {str(path)!r} {why}")
+
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise bad(f"has no readable config.json ({e})") from e
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        if model_type != self._model.config.model_type:
+            raise bad(f"holds a {model_type!r} model; the engine serves {self._model.config.model_type!r}")
+        # persistent tensors by name; tied names share one tensor object
+        expected: dict[str, torch.Tensor] = self._model.state_dict(keep_vars=True)
+        staged: dict[str, torch.Tensor] = {}
+        for file in self._weight_files(path, bad):
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as st:
+                    for name in st.keys():
+                        target = expected.get(name)
+                        if target is None:
+                            raise bad(f"{file.name} holds tensor {name!r}, which the model does not have")
+                        if name in staged:
+                            raise bad(f"holds tensor {name!r} twice (again in {file.name})")
+                        shape = list(st.get_slice(name).get_shape())
+                        if shape != list(target.shape):
+                            raise bad(f"{file.name}: tensor {name!r} has shape {shape}, the model's is "
+                                      f"{list(target.shape)}")
+                        value = st.get_tensor(name)
+                        if value.is_floating_point() != target.is_floating_point():
+                            raise bad(f"{file.name}: tensor {name!r} is {value.dtype}, the model's is {target.dtype}")
+                        staged[name] = value.to(target.dtype)
+            except AdapterCorruptError:
+                raise
+            except Exception as e:  # safetensors' own error (truncated file, bad header) or a read error
+                raise bad(f"{file.name} does not read as safetensors: {type(e).__name__}: {e}") from e
+        tied: dict[int, list[str]] = {}
+        for name, tensor in expected.items():
+            tied.setdefault(id(tensor), []).append(name)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        missing: list[str] = []
+        for names in tied.values():
+            present = [n for n in names if n in staged]
+            if not present:
+                missing.append(names[0])
+                continue
+            value = staged[present[0]]
+            for other in present[1:]:
+                if not torch.equal(staged[other], value):
+                    raise bad(f"holds different values for the tied tensors {present[0]!r} and {other!r}")
+            pairs.append((expected[names[0]], value))
+        if missing:
+            raise bad(f"lacks {len(missing)} of the model's tensors: {', '.join(missing[:5])}"
+                      + (", ..." if len(missing) > 5 else ""))
+        return pairs
+
+    @staticmethod
+    def _weight_files(path: Path, bad: Callable[[str], AdapterCorruptError]) -> list[Path]:
+        """The safetensors files of a model directory: those its shard index names, or all of them."""
+        index = path / "model.safetensors.index.json"
+        if not index.is_file():
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise bad("has no safetensors weights")
+            return files
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise bad(f"has an unreadable {index.name} ({type(e).__name__}: {e})") from e
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+                raise bad(f"{index.name} names {name!r}, not a safetensors file of the directory")
+            if not (path / name).is_file():
+                raise bad(f"{index.name} names {name!r}, which is missing")
+        return [path / n for n in names]

@@ -19,6 +19,13 @@ Invariants (beyond the Engine protocol's):
 - `max_loras` (adapters resident on the GPU at once) >= max_staleness + 1, so every version a
   running group may still use fits into one scheduler step next to the others.
 - The version is checked, not assumed: `RequestOutput.lora_request` must be the LoRARequest sent.
+- Full-weight updates (`full_weights=True`): no LoRA; the engine holds one version's weights.
+  `load_adapter(v)` waits until none of its requests runs, pauses vLLM's scheduler (which also
+  clears the prefix cache: blocks computed with the old weights must not be reused), reloads the
+  weights in place from v's directory (`reload_weights` on the workers, vLLM's own loader) and
+  resumes. `generate` for any version but the one loaded (or while a load is under way) raises
+  GenerationError, so a group is never sampled with other weights than its label. A failed
+  reload leaves no version loaded until a load succeeds (the weights may be half-replaced).
 - Cancelling `generate` aborts the vLLM request: `AsyncLLM.generate` aborts on CancelledError
   once its request is queued; this engine aborts again by request id, which also covers a cancel
   that lands while vLLM is still adding the n child requests (before `generate` can abort them).
@@ -59,6 +66,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import SamplingConfig, VLLMEngineConfig
+from pipeline.engines.base import check_model_dir
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
@@ -169,6 +177,7 @@ def check_adapter_dir(adapter: AdapterRef, max_lora_rank: int) -> Path:
     return path
 
 
+
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
     """Log-prob of the sampled token at each position: [T] float32.
 
@@ -213,6 +222,7 @@ class VLLMEngine:
         max_staleness: int = 1,
         name: str = "vllm-0",
         seed: int | None = None,
+        full_weights: bool = False,
     ) -> None:
         if max_staleness < 0:
             raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
@@ -245,12 +255,19 @@ class VLLMEngine:
         self._running: set[str] = set()  # request ids of generate calls inside vLLM now
         self._background: set[asyncio.Task[Any]] = set()  # adapter removals under way
         self._closed = False
+        self.full_weights = full_weights
+        # full-weight mode: the version whose weights vLLM holds (None: unknown after a failed reload)
+        self._weights: AdapterRef | None = AdapterRef.base()
+        self._swapping: AdapterRef | None = None  # the version being loaded; no request starts meanwhile
+        self._swap_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ public API
 
     @property
     def loaded_versions(self) -> tuple[int, ...]:
         """Versions of the adapters vLLM holds for this engine (base, version 0, not listed)."""
+        if self.full_weights:
+            return () if self._weights is None or self._weights.version == 0 else (self._weights.version,)
         return tuple(sorted(a.ref.version for a in self._adapters.values() if _loaded_ok(a)))
 
     @property
@@ -279,8 +296,10 @@ class VLLMEngine:
         self.stats.requests += 1
         entry: _Adapter | None = None
         request_id = f"{self.name}-{request.group_id}-{uuid.uuid4().hex}"
+        if self.full_weights:
+            self._check_weights(request, adapter)  # nothing is awaited between this and the request's start
         try:
-            entry = await self._acquire(adapter)
+            entry = None if self.full_weights else await self._acquire(adapter)
             self._check_usable()
             lora = entry.lora if entry is not None else None
             final = await self._run(request_id, request, lora)
@@ -299,6 +318,9 @@ class VLLMEngine:
 
     async def load_adapter(self, adapter: AdapterRef) -> None:
         self._check_usable()
+        if self.full_weights:
+            await self._load_weights(adapter)
+            return
         if adapter.version == 0:
             return
         entry = self._adapters.get(adapter.name) or self._begin_load(adapter)
@@ -307,6 +329,8 @@ class VLLMEngine:
         await self._wait_ready(entry)
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
+        if self.full_weights:
+            return  # one version's weights at a time: the next load replaces them
         entry = self._adapters.get(adapter.name)
         if self._closed or entry is None or adapter.version == 0:
             return
@@ -405,10 +429,8 @@ class VLLMEngine:
             max_num_seqs=self.cfg.max_num_seqs,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             enforce_eager=self.cfg.enforce_eager,
-            enable_lora=True,
-            max_lora_rank=self.cfg.max_lora_rank,
-            max_loras=self.max_loras,
-            max_cpu_loras=self.max_cpu_loras,
+            **({} if self.full_weights else {"enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
+                                             "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras}),
             # raw == processed under the on-policy settings; raw is the path measured on our host.
             logprobs_mode="raw_logprobs" if on_policy else "processed_logprobs",
             disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused
@@ -544,6 +566,47 @@ class VLLMEngine:
                                           finish_reason=_FINISH_REASONS.get(reason, reason)))
         return Generation(request=request, completions=tuple(completions), version=adapter.version,
                           engine=self.name, t_start=t_start, t_end=time.monotonic())
+
+    # ------------------------------------------------------------------ full weights
+
+    def _check_weights(self, request: GroupRequest, adapter: AdapterRef) -> None:
+        held = self._weights
+        if self._swapping is not None or held is None or held.version != adapter.version or held.name != adapter.name:
+            now = ("no version (a weight reload failed)" if held is None else f"version {held.version}") + (
+                f", loading version {self._swapping.version}" if self._swapping is not None else "")
+            raise GenerationError(f"engine {self.name} holds full weights of {now}; group {request.group_id} "
+                                  f"asked for version {adapter.version}")
+
+    async def _load_weights(self, adapter: AdapterRef) -> None:
+        """Replace the weights with `adapter`'s (its directory, or the base model for version 0)."""
+        async with self._swap_lock:
+            held = self._weights
+            if held is not None and held.version == adapter.version and held.name == adapter.name:
+                return
+            path = self.model_path if adapter.version == 0 else check_model_dir(adapter)
+            self._swapping = adapter
+            t0 = time.monotonic()
+            try:
+                while self._running:  # the orchestrator drains first; a caller that did not waits here
+                    await asyncio.sleep(0.01)
+                self._weights = None
+                # pausing also clears the prefix cache: KV blocks of the old weights must not be reused
+                await self._llm.pause_generation(mode="wait")
+                try:
+                    await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                finally:
+                    await self._llm.resume_generation()
+            except Exception as e:
+                if isinstance(e, PipelineError):
+                    raise
+                raise AdapterCorruptError(f"engine {self.name}: vLLM could not load the weights of version "
+                                          f"{adapter.version} from {str(path)!r}: {type(e).__name__}: {e}") from e
+            finally:
+                self._swapping = None
+            self._weights = adapter
+            self.stats.adapters_loaded += 1
+            log.info("weights_loaded", engine=self.name, version=adapter.version, path=str(path),
+                     seconds=round(time.monotonic() - t0, 3))
 
     # ------------------------------------------------------------------ adapters
 
