@@ -20,6 +20,8 @@ Invariants:
   ones only when a deadline forces it (earliest-deadline-first). Groups admitted later are
   sampled at version >= s, so they cannot tighten deadlines before s + K. With K = 0 this is the
   fully synchronous loop: the batch is exactly the B groups of the current version.
+- Admission can be paused (a full-weight swap: engines hold one version, so the groups in
+  flight finish before the weights change); `wait_drained` returns once none is in flight.
 - A consumption-time check drops (and counts, reason "stale") anything older than K anyway.
 - Bounded: at most `capacity` completed groups are held; `put` waits for room (backpressure).
   Capacity >= (K + 1) * B, the most that can ever be live, so a blocked producer can never hold
@@ -102,6 +104,7 @@ class RolloutBuffer:
         self._in_flight: dict[int, int] = {}  # group id -> version
         self._completed: dict[int, RolloutGroup] = {}  # insertion order = completion order
         self._admission_open = True
+        self._paused = False
         self._closed = False
         self._cond = asyncio.Condition()
 
@@ -109,6 +112,8 @@ class RolloutBuffer:
 
     def admission_room(self) -> int:
         """How many more groups may start now."""
+        if self._paused:
+            return 0
         limit = (self.K + self.serving_version - self.start_version + 1) * self.B
         if self.max_groups is not None:
             limit = min(limit, self.max_groups)
@@ -155,6 +160,21 @@ class RolloutBuffer:
                 raise ValueError(f"serving version cannot go back from {self.serving_version} to {version}")
             self.serving_version = version
             self._cond.notify_all()
+
+    def pause_admission(self) -> None:
+        """No group starts until `resume_admission` (groups already in flight go on)."""
+        self._paused = True
+
+    async def resume_admission(self) -> None:
+        async with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    async def wait_drained(self) -> None:
+        """Wait until no group is in flight (or the buffer is closed)."""
+        async with self._cond:
+            while self._in_flight and not self._closed:
+                await self._cond.wait()
 
     async def finish_admission(self) -> None:
         """No more groups will start (the prompt source is exhausted); partial batches may follow."""

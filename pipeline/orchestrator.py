@@ -29,6 +29,10 @@ Invariants:
   counted as failed; an engine that is dead, or fails engine.max_consecutive_errors calls in a
   row, leaves the rotation and its groups go to the others. An adapter version that does not
   verify or load is skipped while an older one may still serve within max_staleness.
+- Full-weight updates (trainer.update = "full"): an engine holds one version's weights, so
+  before engines load a new version, admission pauses and the groups in flight finish on the
+  weights they started with; then every engine loads the version (one directory, written once)
+  and admission resumes at it. A group is never sampled across two versions.
 - The first task to fail ends the run with that error; shutdown closes the buffer, cancels,
   gathers under a timeout, records what was in flight as dropped ("shutdown"), flushes the log
   and closes what the pipeline built. CancelledError is never swallowed. A stop request (the
@@ -231,13 +235,17 @@ class Pipeline:
         self.start_step = ck.step if ck else 0
         self.start_version = int(ck.state["version"]) if ck else 0
         self._wall0 = float(ck.state.get("wall_s", 0.0)) if ck else 0.0  # wall time of earlier sessions
+        if ck is not None and ck.state.get("update", "lora") != cfg.trainer.update:
+            raise ConfigError(f"the run in {self.run_dir} was trained with trainer.update = "
+                              f"{ck.state.get('update', 'lora')!r}; it cannot continue with {cfg.trainer.update!r} "
+                              "(its checkpoints and published versions are of the other kind)")
         if self.start_step >= pc.steps:
             raise ConfigError(f"the run in {self.run_dir} is checkpointed at step {self.start_step} and "
                               f"pipeline.steps is {pc.steps}; raise it (--steps N) to train further")
         self.ledger = Ledger.from_snapshot(ck.state["ledger"], self.source.total) if ck else Ledger(self.source.total)
         self.checkpoint_step: int | None = ck.step if ck else None
         self.store = AdapterStore(cfg.store.root or self.run_dir / "adapters", base_model=str(self.model_path or ""),
-                                  keep_last=cfg.store.keep_last)
+                                  keep_last=cfg.store.keep_last, kind=cfg.trainer.update)
         self.rollout_log = RolloutLog(self.run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)},
                                       flush_every=8 * FLUSH_GROUPS)
         if self._resume:
@@ -290,6 +298,7 @@ class Pipeline:
         self._published = asyncio.Event()
         self._publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
+        self.drain_s: dict[int, float] = {}  # full-weight updates: version -> seconds admission paused for the drain
         self._busy0: dict[str, float] = {}
         self._load_failures: dict[int, str] = {}
         self._retries = 0
@@ -384,26 +393,29 @@ class Pipeline:
     def _build_engines(self) -> list[Engine]:
         cfg = self.config
         K = cfg.pipeline.max_staleness
+        full = cfg.trainer.update == "full"
         offset = 1009 * self.start_step  # a resumed run samples afresh, not the first session's draws
         engines: list[Engine] = []
         for i, dev in enumerate(cfg.engine.devices):
             if cfg.engine.kind == "simulated":
                 from pipeline.engines.simulated import SimulatedEngine
 
-                engines.append(SimulatedEngine(cfg.engine.simulated, seed=cfg.seed + offset + i, name=f"simulated-{i}"))
+                engines.append(SimulatedEngine(cfg.engine.simulated, seed=cfg.seed + offset + i, name=f"simulated-{i}",
+                                               full_weights=full))
             elif cfg.engine.kind == "transformers":
                 from pipeline.engines.transformers import TransformersEngine
 
                 engines.append(TransformersEngine(
                     self.model_path, sampling=cfg.sampling, cfg=cfg.engine.transformers, device=dev,
                     dtype=cfg.model.dtype, max_loaded_adapters=cfg.engine.transformers.max_loaded_adapters or K + 1,
-                    seed=cfg.seed + offset + i, name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code))
+                    seed=cfg.seed + offset + i, name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code,
+                    full_weights=full))
             else:
                 from pipeline.engines.vllm import VLLMEngine
 
                 engines.append(VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=dev,
                                           max_staleness=K, name=f"vllm-{i}",
-                                          seed=cfg.engine.vllm.seed + offset + i))
+                                          seed=cfg.engine.vllm.seed + offset + i, full_weights=full))
         return engines
 
     def _build_trainer(self) -> Any:
@@ -411,7 +423,7 @@ class Pipeline:
         if cfg.trainer.kind == "simulated":
             from pipeline.trainer import SimulatedTrainer
 
-            return SimulatedTrainer(cfg.trainer.step_s)
+            return SimulatedTrainer(cfg.trainer.step_s, update=cfg.trainer.update)
         from pipeline.trainer import LoRATrainer
         from pipeline.trainer_process import ProcessTrainer
 
@@ -746,11 +758,22 @@ class Pipeline:
             if newest <= served:
                 continue
             ref = self._adapters[newest]
+            full = self.config.trainer.update == "full"
             try:
                 # the directory is checked against its manifest before any engine reads it
                 await asyncio.to_thread(self.store.verify_dir, ref.path)
+                if full:
+                    # an engine holds one version's weights: what is in flight finishes on its own first
+                    t_drain = time.monotonic()
+                    self.buffer.pause_admission()
+                    await self.buffer.wait_drained()
+                    self.drain_s[newest] = time.monotonic() - t_drain
                 await self._load_on_engines(ref)
             except (AdapterError, OSError) as e:
+                if full:
+                    # engines that did load it go back to the served weights, so every engine serves one version
+                    await self._load_on_engines(self._adapters[served])
+                    await self.buffer.resume_admission()
                 # keep serving the last good version while the staleness bound allows; then stop clearly
                 self._load_failures[newest] = repr(e)
                 log.error("adapter_load_failed", version=newest, path=ref.path, error=str(e), serving=served)
@@ -763,6 +786,8 @@ class Pipeline:
             served = newest
             structlog.contextvars.bind_contextvars(policy_version=served)
             await self.buffer.set_serving_version(served)
+            if full:
+                await self.buffer.resume_admission()
             log.debug("adapter_serving", version=served, publish_to_loaded_s=round(self.publish_to_loaded[newest], 4))
             keep_from = min(self.buffer.in_flight_versions() + [served - K])
             for v in [v for v in self._adapters if 0 < v < keep_from]:
@@ -832,6 +857,7 @@ class Pipeline:
             return  # nothing trained yet, or this step is already checkpointed
         # one moment on the loop: the ledger and the RolloutLog agree on what has settled
         state = {"ledger": self.ledger.snapshot(), "log_rows": len(self.rollout_log), "version": self.trainer.version,
+                 "update": self.config.trainer.update,
                  "metrics_rows": len(self.metrics_rows), "wall_s": self._wall0 + time.monotonic() - self._t_start}
         await asyncio.to_thread(self.rollout_log.flush)  # rows [0, log_rows) are durable before the checkpoint
         await self._trainer_call("checkpoint", self.checkpoints.write, step, state, self.trainer.save_state)
@@ -976,6 +1002,8 @@ class Pipeline:
             "busy/trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
             "loop/lag_p99_ms": self.lag.percentile_ms(99, last=2000),
         }
+        if self.config.trainer.update == "full":  # how long admission waited for the drain before the load
+            row["adapter/drain_s"] = self.drain_s.get(ref.version - 1, float("nan"))
         row.update(train)
         row.update(check)
         return row
@@ -1105,6 +1133,7 @@ class Pipeline:
             "busy_trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
             "publish_to_loaded_s_mean": float(np.mean(list(self.publish_to_loaded.values())))
             if self.publish_to_loaded else None,
+            "drain_s_mean": float(np.mean(list(self.drain_s.values()))) if self.drain_s else None,
             "loop_lag_p99_ms": self.lag.percentile_ms(99),
             "version_mismatches": self._version_mismatches,
             "error": repr(error) if error is not None and not isinstance(error, asyncio.CancelledError) else None,

@@ -207,3 +207,41 @@ def test_finite_source_ends_with_a_partial_batch():
         assert sel.groups == []
 
     asyncio.run(main())
+
+
+def test_paused_admission_starts_nothing_and_drains_what_is_in_flight():
+    """A full-weight swap: no group starts while paused; wait_drained returns once the last one is in."""
+
+    async def scenario() -> None:
+        buf = RolloutBuffer(batch_groups=2, max_staleness=1)
+        a, b = buf.try_admit(), buf.try_admit()
+        buf.pause_admission()
+        assert buf.admission_room() == 0 and buf.try_admit() is None
+        drained = asyncio.ensure_future(buf.wait_drained())
+        await asyncio.sleep(0)
+        await buf.put(make_group(a.group_id, 0))
+        await asyncio.sleep(0)
+        assert not drained.done()  # b is still in flight
+        await buf.fail(b.group_id, "reward_error")
+        await asyncio.wait_for(drained, 1)
+        assert buf.try_admit() is None  # still paused after the drain
+        await buf.set_serving_version(1)
+        await buf.resume_admission()
+        c = buf.try_admit()
+        assert c is not None and c.version == 1 and buf.counts.balanced()
+
+    asyncio.run(scenario())
+
+
+def test_wait_drained_returns_at_once_when_nothing_is_in_flight_and_on_close():
+    async def scenario() -> None:
+        buf = RolloutBuffer(batch_groups=2, max_staleness=0)
+        await asyncio.wait_for(buf.wait_drained(), 1)
+        buf.try_admit()
+        drained = asyncio.ensure_future(buf.wait_drained())
+        await asyncio.sleep(0)
+        assert not drained.done()
+        await buf.close()
+        await asyncio.wait_for(drained, 1)
+
+    asyncio.run(scenario())
