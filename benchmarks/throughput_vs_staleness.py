@@ -5,6 +5,7 @@
     python benchmarks/throughput_vs_staleness.py --engine transformers  # tiny model, real LoRA trainer, CPU
     python benchmarks/throughput_vs_staleness.py --engine vllm --model-shape qwen2.5-0.5b \\
         --engine-device cuda:0 --trainer-device cuda:1                  # vLLM on one GPU, trainer on another
+    python benchmarks/throughput_vs_staleness.py --update full          # full-weight updates instead of LoRA
 
 Every value of max_staleness (K) runs the same workload, seed and hardware in this process, and
 is compared with K=0 (the synchronous baseline) of the same run.
@@ -23,12 +24,15 @@ How the figures are measured:
 - speedup = groups/s at K / groups/s at K=0. Staleness, event-loop lag and publish-to-loaded
   latency cover the whole run; for real engines the reward is the mean over the last fifth of
   the steps (every K trains the same number of samples).
+- --update full: trainer.update = "full" (every weight trained, whole models published; engines
+  hold one version, so each load waits for the groups in flight: "drain ms" is that wait per
+  version). t_train then includes writing the whole model.
 - --engine sim takes its speeds from --gen-ratio (generator seconds per batch / trainer seconds
   per batch) and --train-step-s: the engine samples B groups at once (concurrency = B), each
   taking gen_ratio * train_step_s, and the trainer sleeps train_step_s per step.
 
 Writes <out>/throughput_vs_staleness_<engine>_<shape>_<hardware>.json and .png (one pair per
-ratio with --ratios).
+ratio with --ratios; "_full" before the hardware with --update full).
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=None, help="n, completions per group (default 8)")
     p.add_argument("--max-new-tokens", type=int, help="completion length cap (default: 16, vllm 128)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--update", choices=("lora", "full"), default="lora",
+                   help="trainer.update: publish LoRA adapters (default) or the full weights")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of each standalone measurement")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the JSON and PNG")
     p.add_argument("--keep-runs", metavar="DIR", help="keep every run's directory under DIR (default: deleted)")
@@ -184,10 +190,11 @@ async def sample_batch(engine: Any, prompts: Sequence[Prompt], n: int, max_new_t
     return time.perf_counter() - t0, list(gens)
 
 
-def time_trainer(trainer: Any, groups: Sequence[RolloutGroup], store_root: Path, repeats: int) -> dict[str, float]:
+def time_trainer(trainer: Any, groups: Sequence[RolloutGroup], store_root: Path, repeats: int,
+                 update: str = "lora") -> dict[str, float]:
     """Median seconds of one trainer step and of publishing its adapter (blocking; after one warm-up)."""
     trainer.setup()
-    store = AdapterStore(store_root)
+    store = AdapterStore(store_root, kind=update)
     steps, publishes = [], []
     for i in range(repeats + 1):
         batch = Batch(step=i + 1, version=trainer.version, groups=tuple(groups))
@@ -231,7 +238,8 @@ class Workload:
 
     def overrides(self, K: int, run_dir: Path) -> dict[str, Any]:
         a = self.args
-        return {"out": str(run_dir), "seed": a.seed, "pipeline.steps": a.steps, "pipeline.batch_groups": a.batch_groups,
+        return {"out": str(run_dir), "seed": a.seed, "trainer.update": a.update,
+                "pipeline.steps": a.steps, "pipeline.batch_groups": a.batch_groups,
                 "pipeline.max_staleness": K, "pipeline.checkpoint_every": 0, "sampling.n": a.group_size, "sampling.max_new_tokens": a.max_new_tokens,
                 "log.progress": False, "log.level": "warning"}
 
@@ -309,8 +317,8 @@ class SimWorkload(Workload):
         t_two, _ = await sample_batch(engine, prompts, a.group_size, a.max_new_tokens)
         rng = np.random.default_rng(a.seed)
         groups = [RolloutGroup(g, rng.random(a.group_size), time.monotonic()) for g in gens]
-        tr = await asyncio.to_thread(time_trainer, SimulatedTrainer(a.train_step_s), groups, scratch / "store",
-                                     a.repeats)
+        tr = await asyncio.to_thread(time_trainer, SimulatedTrainer(a.train_step_s, update=a.update), groups,
+                                     scratch / "store", a.repeats, a.update)
         tokens = sum(g.num_tokens for g in gens)
         return {"t_gen_s": t_gen, "t_gen_all_s": times[1:], "gen_tokens_per_s": tokens / t_gen,
                 "groups": B, "two_batches_s": t_two, **tr}
@@ -402,7 +410,8 @@ class ModelWorkload(Workload):
         cfg = self.config(0, scratch / "cfg")
         trainer = LoRATrainer(self.model_path, cfg.trainer, cfg.loss, seed=self.args.seed, keep_versions=2)
         try:
-            return await asyncio.to_thread(time_trainer, trainer, groups, scratch / "store", self.args.repeats)
+            return await asyncio.to_thread(time_trainer, trainer, groups, scratch / "store", self.args.repeats,
+                                           self.args.update)
         finally:
             del trainer
             free_memory()
@@ -490,7 +499,8 @@ class VLLMWorkload(ModelWorkload):
         cfg = self.config(max(a.staleness_list), Path("unused"))
         # max_staleness sizes the adapters the engine keeps: the largest K of the sweep serves them all
         self.engine = VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=a.engine_device,
-                                 max_staleness=max(a.staleness_list), name="vllm-0", seed=cfg.engine.vllm.seed)
+                                 max_staleness=max(a.staleness_list), name="vllm-0", seed=cfg.engine.vllm.seed,
+                                 full_weights=a.update == "full")
         t0 = time.perf_counter()
         await self.engine.start()
         self.engine_start_s = time.perf_counter() - t0
@@ -531,6 +541,9 @@ class VLLMWorkload(ModelWorkload):
         weights (zero advantages everywhere, as a random model's zero rewards give) publish the same
         name from different directories, which the engine refuses while the first is loaded.
         """
+        if self.args.update == "full":  # back to the base weights
+            await self.engine.load_adapter(AdapterRef.base())
+            return
         for name in self.engine.loaded_adapters:
             version = int(name[1:].split("-", 1)[0])
             await self.engine.unload_adapter(AdapterRef(version=version, name=name, path=None))
@@ -616,6 +629,7 @@ async def run_one(w: Workload, K: int, run_dir: Path) -> dict[str, Any]:
         "publish_to_loaded_ms_p50": float(np.median(p2l)) if p2l.size else None,
         "publish_to_loaded_ms_max": float(p2l.max()) if p2l.size else None,
         "publish_ms_mean": 1000.0 * float(np.mean([row["time/publish_s"] for row in p.metrics_rows])),
+        "drain_ms_mean": 1000.0 * s["drain_s_mean"] if s["drain_s_mean"] is not None else None,
         "groups_dropped": s["groups_dropped"], "groups_failed": s["groups_failed"],
         "accounting_ok": s["accounting_ok"], "torch_threads": run_threads,
     })
@@ -671,6 +685,9 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
 def render_table(res: dict[str, Any], reward: bool) -> str:
     headers = ["K", "groups/s", "tokens/s", "speedup", "ideal", "gen busy", "train busy", "stale mean",
                "stale max", "lag p99 ms", "pub->load ms", "train gap ms", "gen kept"]
+    drain = any(r.get("drain_ms_mean") is not None for r in res["results"])
+    if drain:
+        headers.append("drain ms")
     if reward:
         headers.append("reward")
     rows = []
@@ -679,6 +696,8 @@ def render_table(res: dict[str, Any], reward: bool) -> str:
                r["busy_generator"], r["busy_trainer"], r["staleness_mean"], r["staleness_max"],
                r["loop_lag_p99_ms"], r["publish_to_loaded_ms_mean"], r["trainer_gap_ms_mean"],
                r["gen_kept_of_standalone"]]
+        if drain:
+            row.append(r.get("drain_ms_mean"))
         if reward:
             row.append(r["reward_final"])
         rows.append(row)
@@ -735,6 +754,8 @@ def describe(w: Workload) -> str:
     if isinstance(w, SimWorkload):
         return (f"sim: gen/train ratio {w.ratio:g} ({w.shape}), trainer step {a.train_step_s:g} s, "
                 f"engine latency {w.latency_s:g} s x concurrency {a.batch_groups}")
+    if a.update == "full":
+        return f"{w.kind}: model {a.model_shape}, full-weight updates"
     return f"{w.kind}: model {a.model_shape}, LoRA rank {a.lora_rank}"
 
 
@@ -755,7 +776,8 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
         hw = common.hardware()
         machine_load = load.record()
         note = common.load_note(machine_load, hw["cpu_affinity"])
-        name = f"{BENCHMARK}_{w.kind}_{w.shape}_{common.hardware_tag(hw)}{'_quick' if args.quick else ''}"
+        full = "_full" if args.update == "full" else ""
+        name = f"{BENCHMARK}_{w.kind}_{w.shape}{full}_{common.hardware_tag(hw)}{'_quick' if args.quick else ''}"
         st = res["standalone"]
         title = f"{describe(w)} | B={args.batch_groups} x n={args.group_size}, {args.steps} steps | " \
                 f"{common.hardware_tag(hw)}"

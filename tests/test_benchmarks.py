@@ -78,6 +78,19 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
     assert k0["staleness_max"] == 0 and k1["staleness_mean"] > 0
 
 
+def test_full_weight_sweep_reports_the_drain(tmp_path: Path) -> None:
+    """--update full: engines hold one version, so every load waits for what is in flight."""
+    tvs = load("throughput_vs_staleness")
+    [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0,2", "--update", "full", "--out", str(tmp_path)])
+    assert "sim_balanced_full_" in Path(rec["files"]["json"]).name
+    data = read_json(rec["files"]["json"])
+    by_k = {r["max_staleness"]: r for r in data["results"]}
+    assert all(r["accounting_ok"] and r["drain_ms_mean"] is not None for r in by_k.values())
+    # with K=2 a whole batch is in flight when a version is published: the drain waits for it
+    assert by_k[2]["drain_ms_mean"] > by_k[0]["drain_ms_mean"]
+    assert "drain ms" in data["printed"]
+
+
 def test_transformers_sweep_reports_reward_at_equal_samples(tmp_path: Path, model_cache: Path) -> None:
     tvs = load("throughput_vs_staleness")
     [rec] = tvs.main(["--quick", "--engine", "transformers", "--out", str(tmp_path), "--model-cache",
