@@ -25,6 +25,9 @@ Invariants:
   child's death (os._exit, SIGKILL), and the parent reads it all before it reports the death;
   on a stop or a failed start the child waits for its buffer to drain first. Stdlib-logging
   and warnings output of libraries in the child (transformers, peft) still goes to its stderr.
+- The child ignores SIGINT: a Ctrl-C reaches the whole process group, and the orchestrator,
+  not the signal, decides when the trainer stops (it finishes the step and checkpoints first).
+  It exits at once when its parent dies, whatever it was doing.
 - Adapters and trainer state still go through the filesystem: `save_adapter(dir)`,
   `save_state(dir)` and `load_state(dir)` make the child write or read them.
 - `version`, `skipped_steps` and `consecutive_skips` mirror the child's after every call that
@@ -227,9 +230,21 @@ def _emit(data: bytes) -> None:
         _FORWARD.error("trainer_event_unreadable %r", data[:200], exc_info=True)
 
 
+def _exit_with(parent_sentinel: int) -> None:
+    """End this process when its parent has gone without stopping it (SIGKILL, os._exit on a second Ctrl-C):
+    a step that nobody awaits must not keep the device."""
+    wait([parent_sentinel])
+    os._exit(1)
+
+
 def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None, args: tuple,
            kwargs: dict) -> None:
     """The child's loop: build the trainer, then answer (method, args) requests until told to stop."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process stops
+    threading.Thread(target=_exit_with, args=(mp.parent_process().sentinel,), name="trainer-parent-watch",
+                     daemon=True).start()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Lower priority than the orchestrator: on a machine short of cores (2 on a laptop or CI),
     # a step that competed as an equal delayed the event loop by a scheduler slice (5-6 ms).

@@ -11,6 +11,9 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -99,6 +102,8 @@ def test_debug_events_and_a_step_past_the_timeout_kill_the_child(tmp_path: Path)
         trainer.setup()
         pid = trainer.pid
         assert trainer.step(0.0) == 0.0 and trainer.version == 1
+        os.kill(pid, signal.SIGINT)  # a Ctrl-C reaches the whole process group; the child leaves it to the parent
+        assert trainer.step(0.0) == 0.0 and trainer.version == 2
 
         t0 = time.monotonic()
         with pytest.raises(TrainerError, match=r"did not answer step within trainer\.step_timeout_s = 1\.0 s; "
@@ -117,7 +122,7 @@ def test_debug_events_and_a_step_past_the_timeout_kill_the_child(tmp_path: Path)
     [ready] = _named(events, "scripted_ready")
     assert ready["value"] == 0.5 and ready["path"] == "/x" and ready["pid"] == pid
     # the step that hung had logged that it started, and that event was delivered
-    assert [e["seconds"] for e in _named(events, "scripted_step")] == [0.0, 60.0]
+    assert [e["seconds"] for e in _named(events, "scripted_step")] == [0.0, 0.0, 60.0]
 
 
 class _Slow(logging.Handler):
@@ -190,3 +195,31 @@ def test_the_shipper_never_waits_for_its_reader_and_counts_what_it_drops(tmp_pat
     assert dropped["process"] == "trainer" and dropped["pid"] == os.getpid()
     assert events[-1] == dropped  # after every event that was kept
 
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie (an orphan whose new parent, in a container, may never reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_child_ends_when_its_parent_dies_in_the_middle_of_a_step():
+    """A parent killed mid-step (os._exit, as on a second Ctrl-C) leaves no trainer holding its device."""
+    code = f"""
+import os, sys, threading, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_trainer_process import _scripted
+trainer = _scripted()
+trainer.setup()
+threading.Thread(target=trainer.step, args=(60.0,), daemon=True).start()
+time.sleep(0.3)
+print(trainer.pid, flush=True)
+os._exit(0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)
