@@ -8,6 +8,11 @@ the console gets `level` and up, written through tqdm so a progress bar is not t
 events are per step or per version (publishes, loads, flushes): writing each to the file cost
 the overhead benchmark about 0.7 ms a step, and metrics.jsonl has their figures anyway; a
 debug call below the loggers' level is dropped before any processor runs.
+
+The trainer's child process (pipeline/trainer_process.py) logs at the same floor; its events,
+rendered and tagged `process="trainer"` and `pid` there, come back through a pipe and are handed
+to these same handlers (through the `pipeline.trainer_process` logger) with their own timestamps,
+so events.jsonl and the console hold both processes' events under one level filter.
 """
 
 from __future__ import annotations

@@ -7,9 +7,27 @@ lock; the orchestrator's worker thread only waits on a pipe.
 
 Invariants:
 - One request at a time, answered in order; an exception in the child is raised in the caller
-  with its type name and message (the child's traceback goes to its log).
+  as TrainerError with its type name, message and the child's traceback (KeyError, a version
+  the trainer no longer holds, as KeyError).
 - The child is started with "spawn" (never fork: the parent may hold CUDA) and is stopped by
   `close()`; if it dies, every later call raises TrainerError saying it is not running.
+- No call waits forever: setup has `start_timeout_s`, every other call `trainer.step_timeout_s`.
+  A call that runs past it kills the child (so it lets go of its device) and raises TrainerError
+  naming the call and the setting. `close()` during a call kills the child too.
+- The child's structlog events are the run's events: each is rendered to JSON in the child,
+  tagged `process="trainer"` and `pid`, and written to a pipe that a thread of the parent reads
+  and hands to the parent's logging handlers, so they land in events.jsonl (and on the console)
+  under the parent's level filtering, with the child's own timestamp. The child logs at the
+  level the parent's `pipeline` loggers had at setup (info, or debug), warnings and up when
+  logging was never configured. The child never waits on the pipe: what it cannot take at once
+  waits in a bounded buffer (_PENDING_LIMIT), and events beyond that are dropped, counted and
+  reported by a `trainer_log_events_dropped` warning. What reached the pipe survives the
+  child's death (os._exit, SIGKILL), and the parent reads it all before it reports the death;
+  on a stop or a failed start the child waits for its buffer to drain first. Stdlib-logging
+  and warnings output of libraries in the child (transformers, peft) still goes to its stderr.
+- The child ignores SIGINT: a Ctrl-C reaches the whole process group, and the orchestrator,
+  not the signal, decides when the trainer stops (it finishes the step and checkpoints first).
+  It exits at once when its parent dies, whatever it was doing.
 - Adapters and trainer state still go through the filesystem: `save_adapter(dir)`,
   `save_state(dir)` and `load_state(dir)` make the child write or read them.
 - `version`, `skipped_steps` and `consecutive_skips` mirror the child's after every call that
@@ -18,13 +36,20 @@ Invariants:
 
 from __future__ import annotations
 
+import json
+import logging
 import multiprocessing as mp
+import os
+import select
+import struct
+import threading
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import structlog
 
 from pipeline.config import LossConfig, TrainerConfig
 from pipeline.errors import TrainerError
@@ -32,31 +57,214 @@ from pipeline.types import Batch, RolloutGroup, TrainStats
 
 
 _MIRRORED = ("setup", "step", "load_state")  # calls that answer with the trainer's counters too
+_FRAME = struct.Struct("!I")  # the length of one event's JSON, before it on the events pipe
+# Bytes of events that may wait for a slow reader before new ones are dropped: a thousand
+# tracebacks' worth, far more than a reader thread that is merely starved of the GIL falls behind.
+_PENDING_LIMIT = 1 << 20
+_FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
+_FORWARD = logging.getLogger(__name__)  # the parent's logger that the child's events go out through
+_STAMP = structlog.processors.TimeStamper(fmt="iso", utc=True)  # the parent's timestamps, in the child
 
 
-def _serve(conn: Connection, args: tuple, kwargs: dict) -> None:
+def _jsonable(value: Any) -> Any:
+    """json.dumps fallback: numbers from numpy and torch scalars, text for everything else."""
+    if getattr(value, "shape", None) == () and hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+class _EventShipper:
+    """The child's end of the events pipe: the last structlog processor, it never waits for the reader.
+
+    An event goes straight into the pipe when the pipe has room and nothing is waiting; otherwise
+    it waits in a bounded buffer that a thread writes out as the reader catches up, in order.
+    Beyond `limit` bytes events are dropped and counted; once the buffer has drained, a warning
+    says how many.
+    """
+
+    def __init__(self, conn: Connection, limit: int = _PENDING_LIMIT) -> None:
+        self._conn = conn  # held so that its descriptor stays open
+        self._fd = conn.fileno()
+        os.set_blocking(self._fd, False)
+        self.limit = limit
+        self.tags = {"process": "trainer", "pid": os.getpid()}
+        self.dropped = 0
+        self._pending = bytearray()
+        self._gone = False  # the reader closed its end: nothing more can be delivered
+        self._cond = threading.Condition()
+        threading.Thread(target=self._drain_loop, name="trainer-events", daemon=True).start()
+
+    def __call__(self, logger: Any, method: str, event: dict) -> Any:
+        event.update(self.tags)
+        self.ship(event)
+        raise structlog.DropEvent  # shipped: nothing left for the child's own logger to print
+
+    def ship(self, event: dict) -> None:
+        data = json.dumps(event, default=_jsonable).encode()
+        frame = _FRAME.pack(len(data)) + data
+        with self._cond:
+            if self._gone:
+                return
+            if self._pending:  # behind what is waiting, to keep the order
+                if len(self._pending) + len(frame) > self.limit:
+                    self.dropped += 1
+                    return
+                self._pending += frame
+                return
+            # once part of a frame is in the pipe its rest must follow, whatever the bound
+            self._pending += frame[self._write(frame):]
+            if self._pending:
+                self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every event shipped so far is in the pipe (or the reader is gone); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._gone or not (self._pending or self.dropped), timeout)
+
+    def _write(self, data: bytes | bytearray) -> int:
+        """Write what the pipe takes now; the number of bytes written (all of them once the reader is gone)."""
+        try:
+            return os.write(self._fd, data)
+        except BlockingIOError:  # the pipe is full: the caller keeps the bytes for later
+            return 0
+        except OSError:  # the reader closed its end (the parent is gone): nothing can be delivered
+            self._gone = True
+            self._pending.clear()
+            self._cond.notify_all()
+            return len(data)
+
+    def _drain_loop(self) -> None:
+        """Writes the buffer out as the pipe takes it, then the count of dropped events."""
+        writable = select.poll()
+        writable.register(self._fd, select.POLLOUT)
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._gone)
+                if self._gone:
+                    self._cond.notify_all()
+                    return
+            # only this thread writes while the buffer is not empty, so waiting without the lock is safe
+            writable.poll()
+            with self._cond:
+                del self._pending[:self._write(bytes(self._pending[:1 << 16]))]
+                if not self._pending and self.dropped:
+                    notice = {"event": "trainer_log_events_dropped", "dropped": self.dropped,
+                              "limit_bytes": self.limit, "level": "warning", "logger": __name__,
+                              "timestamp": _STAMP(None, "", {})["timestamp"],
+                              **self.tags}
+                    self.dropped = 0
+                    data = json.dumps(notice).encode()
+                    frame = _FRAME.pack(len(data)) + data
+                    self._pending += frame[self._write(frame):]
+                self._cond.notify_all()
+
+
+def _log_to_parent(conn: Connection, floor: int) -> _EventShipper:
+    """Configure the child's structlog: events at `floor` and up go, rendered, into the events pipe."""
+    shipper = _EventShipper(conn)
+
+    class _Named:  # what add_logger_name reads; the shipper ends the chain, so nothing is written to it
+        def __init__(self, name: str = "pipeline") -> None:
+            self.name = name
+
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.stdlib.add_logger_name,
+                    structlog.stdlib.add_log_level, _STAMP,
+                    structlog.processors.format_exc_info, shipper],
+        wrapper_class=structlog.make_filtering_bound_logger(floor),
+        logger_factory=_Named,
+        cache_logger_on_first_use=False,
+    )
+    return shipper
+
+
+def _forward_events(conn: Connection, proc: Any) -> None:
+    """The parent's end: hands the child's events to this process's logging until the child is gone.
+
+    Runs in its own thread, so the event loop never reads the pipe or writes events.jsonl for it.
+    After the child's death (`proc.sentinel` ready) it reads what is left in the pipe, closes it and
+    returns. It owns `conn` and holds `proc`, so that neither is closed under it while it lags.
+    """
+    with conn:
+        _forward(conn.fileno(), proc.sentinel)
+
+
+def _forward(fd: int, sentinel: int) -> None:
+    os.set_blocking(fd, False)
+    buf = bytearray()
+    while True:
+        ready = wait([fd, sentinel])
+        eof = False
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:  # nothing more for now
+                break
+            if not chunk:
+                eof = True
+                break
+            buf += chunk
+        while len(buf) >= _FRAME.size:
+            (n,) = _FRAME.unpack_from(buf)
+            if len(buf) < _FRAME.size + n:
+                break
+            _emit(bytes(buf[_FRAME.size:_FRAME.size + n]))
+            del buf[:_FRAME.size + n]
+        if eof or sentinel in ready:
+            return
+
+
+def _emit(data: bytes) -> None:
+    """One event from the child into the parent's handlers, filtered like the parent's own."""
+    try:
+        event = json.loads(data)
+        level = logging.getLevelName(str(event.get("level", "info")).upper())
+        level = level if isinstance(level, int) else logging.WARNING
+        if not _FORWARD.isEnabledFor(level):
+            return
+        record = _FORWARD.makeRecord(_FORWARD.name, level, "(trainer process)", 0, event, (), None)
+        # ProcessorFormatter formats a record carrying these as a structlog event dict, as it is
+        record._logger, record._name = _FORWARD, logging.getLevelName(level).lower()
+        _FORWARD.handle(record)
+    except Exception:  # one unreadable event must not stop the forwarding of the rest
+        _FORWARD.error("trainer_event_unreadable %r", data[:200], exc_info=True)
+
+
+def _exit_with(parent_sentinel: int) -> None:
+    """End this process when its parent has gone without stopping it (SIGKILL, os._exit on a second Ctrl-C):
+    a step that nobody awaits must not keep the device."""
+    wait([parent_sentinel])
+    os._exit(1)
+
+
+def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None, args: tuple,
+           kwargs: dict) -> None:
     """The child's loop: build the trainer, then answer (method, args) requests until told to stop."""
-    import os
+    import signal
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process stops
+    threading.Thread(target=_exit_with, args=(mp.parent_process().sentinel,), name="trainer-parent-watch",
+                     daemon=True).start()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     # Lower priority than the orchestrator: on a machine short of cores (2 on a laptop or CI),
     # a step that competed as an equal delayed the event loop by a scheduler slice (5-6 ms).
     os.nice(args[1].nice)
-    import logging
-
-    import structlog
-
-    # the child has no run-directory handlers: its own console lines stay at warnings and errors
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    from pipeline.trainer import LoRATrainer
-
-    trainer = LoRATrainer(*args, **kwargs)
+    shipper = _log_to_parent(events, floor)
+    try:
+        if trainer_cls is None:
+            from pipeline.trainer import LoRATrainer as trainer_cls
+        trainer = trainer_cls(*args, **kwargs)
+    except BaseException:
+        structlog.get_logger(__name__).exception("trainer_process_failed", stage="start")
+        shipper.flush(_FLUSH_S)
+        raise
     while True:
         try:
             method, margs = conn.recv()
         except EOFError:  # the parent is gone: nothing left to serve
             return
         if method == "stop":
+            shipper.flush(_FLUSH_S)
             conn.send(("ok", None))
             return
         try:
@@ -69,41 +277,70 @@ def _serve(conn: Connection, args: tuple, kwargs: dict) -> None:
 
 
 class ProcessTrainer:
-    """A LoRATrainer running in a child process (`trainer.separate_process = true`)."""
+    """A LoRATrainer running in a child process (`trainer.separate_process = true`).
+
+    `trainer_cls` is the class built in the child (LoRATrainer when None); it is sent by name, so it
+    must be importable, and it is built as `trainer_cls(model_path, cfg, loss_cfg, **kwargs)`.
+    """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *, seed: int = 0,
-                 trust_remote_code: bool = False, keep_versions: int = 3, start_timeout_s: float = 600.0) -> None:
+                 trust_remote_code: bool = False, keep_versions: int = 3, start_timeout_s: float = 600.0,
+                 trainer_cls: type | None = None) -> None:
         self._args = (str(model_path), cfg, loss_cfg)
         self._kwargs = {"seed": seed, "trust_remote_code": trust_remote_code, "keep_versions": keep_versions}
+        self._trainer_cls = trainer_cls
         self.start_timeout_s = start_timeout_s
+        self.step_timeout_s = cfg.step_timeout_s
         self.version = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self._conn: Connection | None = None
+        self._reader: threading.Thread | None = None
         self._proc: Any = None
+        self._lock = threading.Lock()  # held by the call in progress
 
     @property
     def pid(self) -> int | None:
         """The child's process id (None before setup and after close)."""
         return None if self._proc is None else self._proc.pid
 
+    def _reap(self, wait_s: float) -> None:
+        """Wait for the child to end, then for its last events to be logged."""
+        if self._proc is not None:
+            self._proc.join(wait_s)
+            if self._proc.is_alive():
+                return
+        if self._reader is not None:
+            self._reader.join(_FLUSH_S)  # the child is gone: the reader only drains what is left
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+        self._reap(5)
+
     def _dead(self, method: str) -> TrainerError:
         code = None
         if self._proc is not None:
-            self._proc.join(1)  # reap it, so the exit code is known
+            self._reap(1)  # reap it, so the exit code is known and its last events are logged first
             code = self._proc.exitcode
         return TrainerError(f"the trainer process is not running (exit code {code}); {method} failed")
 
-    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        if self._conn is None or self._proc is None or not self._proc.is_alive():
-            raise self._dead(method)
-        try:
-            self._conn.send((method, args))
-            if not self._conn.poll(timeout):
-                raise TrainerError(f"the trainer process did not answer {method} within {timeout} s")
-            status, value = self._conn.recv()
-        except (EOFError, OSError):  # the child died before or while answering (OSError: broken pipe)
-            raise self._dead(method) from None
+    def _call(self, method: str, *args: Any) -> Any:
+        timeout, setting = ((self.start_timeout_s, "start_timeout_s") if method == "setup"
+                            else (self.step_timeout_s, "trainer.step_timeout_s"))
+        with self._lock:
+            conn, proc = self._conn, self._proc
+            if conn is None or proc is None or not proc.is_alive():
+                raise self._dead(method)
+            try:
+                conn.send((method, args))
+                if not conn.poll(timeout):
+                    self._kill()
+                    raise TrainerError(f"the trainer process did not answer {method} within {setting} = {timeout} s;"
+                                       f" it was killed (exit code {proc.exitcode})")
+                status, value = conn.recv()
+            except (EOFError, OSError):  # the child died before or while answering (OSError: broken pipe)
+                raise self._dead(method) from None
         if status == "error":
             name, msg, tb = value
             if name == "KeyError":  # a version the trainer no longer holds: callers handle it
@@ -114,11 +351,17 @@ class ProcessTrainer:
     def setup(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, self._args, self._kwargs), name="pipeline-trainer",
-                                 daemon=True)
+        events, child_events = ctx.Pipe(duplex=False)
+        floor = max(logging.getLogger("pipeline").getEffectiveLevel(), logging.DEBUG)
+        self._proc = ctx.Process(target=_serve, args=(child, child_events, floor, self._trainer_cls, self._args,
+                                                      self._kwargs), name="pipeline-trainer", daemon=True)
         self._proc.start()
         child.close()
-        _, self.version, self.skipped_steps, self.consecutive_skips = self._call("setup", timeout=self.start_timeout_s)
+        child_events.close()  # the child's copy is the only writer left, so its end is the pipe's end
+        self._reader = threading.Thread(target=_forward_events, args=(events, self._proc),
+                                        name="trainer-events", daemon=True)
+        self._reader.start()
+        _, self.version, self.skipped_steps, self.consecutive_skips = self._call("setup")
 
     def step(self, batch: Batch) -> TrainStats:
         stats, self.version, self.skipped_steps, self.consecutive_skips = self._call("step", batch)
@@ -137,20 +380,30 @@ class ProcessTrainer:
         _, self.version, self.skipped_steps, self.consecutive_skips = self._call("load_state", Path(directory))
 
     def close(self) -> None:
-        """Stop the child (idempotent)."""
+        """Stop the child (idempotent): on request when idle, killed when a call is still in progress."""
         if self._proc is None:
             return
-        try:
-            if self._proc.is_alive() and self._conn is not None:
-                self._conn.send(("stop", ()))
-                self._conn.poll(10)
-        except (BrokenPipeError, OSError):
-            pass  # already gone
-        self._proc.join(10)
-        if self._proc.is_alive():
+        idle = locked = self._lock.acquire(blocking=False)
+        if not idle:
+            # a call in progress is abandoned (its caller stopped waiting: shutdown, a cancelled step):
+            # killing the child ends that call at once (the calling thread reaps it: two threads
+            # waiting on one pid can leave the loser believing it alive), then its pipe is ours to close
             self._proc.kill()
-            self._proc.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self._proc = None
-        self._conn = None
+            locked = self._lock.acquire(timeout=_FLUSH_S)
+        try:
+            if idle and self._proc.is_alive() and self._conn is not None:
+                try:
+                    self._conn.send(("stop", ()))
+                    self._conn.poll(10)
+                except OSError:  # already gone (OSError covers a broken pipe)
+                    pass
+                self._proc.join(10)
+            self._kill()  # when it did not stop on request
+            if self._conn is not None:
+                self._conn.close()  # the events pipe is the reader's to close, once it has read all
+            self._proc = None
+            self._conn = None
+            self._reader = None
+        finally:
+            if locked:
+                self._lock.release()
