@@ -26,7 +26,8 @@ from pipeline.config import SamplingConfig, SimulatedEngineConfig, TransformersE
 from pipeline.engines.simulated import SimulatedEngine
 from pipeline.engines.transformers import TransformersEngine
 from pipeline.errors import AdapterError, EngineDeadError, GenerationError
-from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt
+from pipeline.types import AdapterRef, Generation
+from test_engine_transformers import _request  # tests/ is on sys.path
 
 # Each 2-d weight W gets W.std() * REL_STD * N(0, 1) added: far above float32 noise, so a
 # version's log-probs are told apart from every other's by a wide margin.
@@ -63,10 +64,6 @@ def versions(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     return out
 
 
-def _request(group_id: int, text: str, n: int = 4, max_new_tokens: int = 12, seed: int | None = None) -> GroupRequest:
-    ids = tuple(models.CHARACTERS.index(c) for c in text)
-    return GroupRequest(group_id=group_id, prompt=Prompt(id=f"p{group_id}", text=text, token_ids=ids), n=n,
-                        max_new_tokens=max_new_tokens, seed=seed)
 
 
 def _run(model_dir: Path, body: Callable[[TransformersEngine], Awaitable[Any]], **kwargs: Any) -> Any:

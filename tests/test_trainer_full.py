@@ -19,30 +19,15 @@ from pipeline.config import LossConfig, TrainerConfig
 from pipeline.errors import AdapterCorruptError, ConfigError, TrainerError
 from pipeline.trainer import FULL_KEEP_VERSIONS, FULL_STATE_FILES, LoRATrainer, SimulatedTrainer
 from pipeline.trainer_process import ProcessTrainer
-from pipeline.types import Batch, Completion, Generation, GroupRequest, Prompt, RolloutGroup
+from pipeline.types import Batch, RolloutGroup
+from test_trainer import N, _group  # the groups of test_trainer (tests/ is on sys.path)
 
-N = 4  # completions per group
-T = 6  # tokens per completion
 PROMPT = "Hello there"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.build_model("tiny", tmp_path_factory.mktemp("models"))
-
-
-def _group(group_id: int, text: str, version: int = 0, seed: int = 0) -> RolloutGroup:
-    """A group of N random completions with distinct rewards (so every advantage is nonzero)."""
-    rng = np.random.default_rng(seed)
-    ids = tuple(models.CHARACTERS.index(c) for c in text)
-    request = GroupRequest(group_id=group_id, prompt=Prompt(id=f"p{group_id}", text=text, token_ids=ids), n=N,
-                           max_new_tokens=T)
-    completions = tuple(Completion(token_ids=rng.integers(0, len(models.CHARACTERS), size=T).astype(np.int64),
-                                   logprobs=np.full(T, -4.8, dtype=np.float32), finish_reason="length")
-                        for _ in range(N))
-    generation = Generation(request=request, completions=completions, version=version, engine="test",
-                            t_start=0.0, t_end=0.0)
-    return RolloutGroup(generation=generation, rewards=rng.permutation(N).astype(np.float64), t_scored=0.0)
 
 
 def _batch(step: int) -> Batch:
