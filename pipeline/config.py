@@ -186,6 +186,8 @@ class SimulatedEngineConfig:
     vocab_size: int = 128  # synthetic token ids are drawn below this
     fail_rate: float = 0.0  # fault injection: share of generate calls that raise
     hang_rate: float = 0.0  # fault injection: share of generate calls that never return
+    die_after: int = 0  # fault injection: after this many groups the engine is dead until restarted; 0 = never
+    failed_restarts: int = 0  # fault injection: this many restarts (start after close) fail before one works
 
     def __post_init__(self) -> None:
         _check(0 <= self.fail_rate <= 1, "engine.simulated.fail_rate", "in [0, 1]", self.fail_rate)
@@ -194,6 +196,8 @@ class SimulatedEngineConfig:
         _check(self.concurrency >= 0, "engine.simulated.concurrency", ">= 0 (0 = unlimited)", self.concurrency)
         _check(self.completion_tokens >= 1, "engine.simulated.completion_tokens", ">= 1", self.completion_tokens)
         _check(self.vocab_size >= 2, "engine.simulated.vocab_size", ">= 2", self.vocab_size)
+        _check(self.die_after >= 0, "engine.simulated.die_after", ">= 0 (0 = never)", self.die_after)
+        _check(self.failed_restarts >= 0, "engine.simulated.failed_restarts", ">= 0", self.failed_restarts)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ Invariants (beyond the Engine protocol's):
   `max_new_tokens` tokens ("length"). Finished and cancelled rows leave the batch between steps.
 - A version with pending or running requests is never unloaded; when every loaded version is in
   use, the engine exceeds `max_loaded_adapters` rather than break a running group.
+- `close()` fails every pending request with EngineDeadError and shuts the worker thread down;
+  `start()` after it starts afresh on a new worker thread (the model loaded again, no adapter).
 """
 
 from __future__ import annotations
@@ -149,7 +151,15 @@ class TransformersEngine:
         self._eos_arg = None if eos_token_ids is None else frozenset(int(t) for t in eos_token_ids)
         self._eos_ids: frozenset[int] = frozenset()  # set by start(); empty = rows always run to max_new_tokens
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-torch")
+        # pending or running generate calls per version; kept across a restart, where calls made
+        # before the close still give their counts back as they unwind
+        self._in_use: Counter[int] = Counter()
+        self._closes = 0  # close() calls so far: a wait that spans one learns the engine closed under it
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """The state of an engine not yet started: set at construction and again by a restart."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-torch")
 
         # Event-loop state.
         self._queue: deque[_Pending] = deque()
@@ -158,7 +168,6 @@ class TransformersEngine:
         self._batch_task: asyncio.Task[None] | None = None
         self._loaded: dict[int, AdapterRef] = {}  # versions loaded or being loaded (not 0)
         self._loading: dict[int, asyncio.Task[None]] = {}
-        self._in_use: Counter[int] = Counter()  # version -> pending or running generate calls
         self._unload_requested: set[int] = set()
         self._started = False
         self._closed = False
@@ -181,6 +190,10 @@ class TransformersEngine:
         return tuple(sorted(self._loaded))
 
     async def start(self) -> None:
+        """Load the model and start batching; after `close()`, do it again on a fresh worker thread."""
+        if self._closed:
+            # the old worker thread was shut down by close(); its model and adapters went with it
+            self._fresh_state()
         if self._started:
             return
         loop = asyncio.get_running_loop()
@@ -247,6 +260,7 @@ class TransformersEngine:
         if self._closed:
             return
         self._closed = True
+        self._closes += 1
         error = EngineDeadError(f"engine {self.name} closed")
         for item in [*self._running, *self._queue]:
             item.cancelled = True  # the worker stops at its next step
@@ -309,6 +323,7 @@ class TransformersEngine:
         `own_use` is how many of the version's in-use counts belong to the caller itself.
         """
         version = adapter.version
+        closes = self._closes
         task = self._loading.get(version)
         if task is None:
             known = self._loaded.get(version)
@@ -335,7 +350,8 @@ class TransformersEngine:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if task.cancelled() and self._closed and not (current is not None and current.cancelling()):
+            # closed under us, even if started again since: the load was cancelled, not this call
+            if task.cancelled() and self._closes != closes and not (current is not None and current.cancelling()):
                 raise EngineDeadError(f"engine {self.name} closed while loading adapter version {version}") from None
             raise
 
