@@ -210,6 +210,8 @@ class EngineConfig:
     retries: int = 2  # a generate call that raises or times out is retried this many times, then failed
     retry_backoff_s: float = 0.5  # wait before retry r: retry_backoff_s * 2**r
     max_consecutive_errors: int = 5  # an engine whose calls fail this many times in a row is taken out
+    restarts: int = 3  # times the pipeline may restart one engine it built after it left the rotation; 0 = never
+    restart_backoff_s: float = 5.0  # wait between closing a failed engine and starting it again
     start_timeout_s: float = 900.0  # an engine that has not started by then is an error
     load_timeout_s: float = 120.0  # an adapter load that takes longer is an error
     transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
@@ -224,6 +226,8 @@ class EngineConfig:
         _check(self.retries >= 0, "engine.retries", ">= 0", self.retries)
         _check(self.retry_backoff_s >= 0, "engine.retry_backoff_s", ">= 0", self.retry_backoff_s)
         _check(self.max_consecutive_errors >= 1, "engine.max_consecutive_errors", ">= 1", self.max_consecutive_errors)
+        _check(self.restarts >= 0, "engine.restarts", ">= 0 (0 = never restart)", self.restarts)
+        _check(self.restart_backoff_s >= 0, "engine.restart_backoff_s", ">= 0", self.restart_backoff_s)
         _check(self.start_timeout_s > 0, "engine.start_timeout_s", "> 0", self.start_timeout_s)
         _check(self.load_timeout_s > 0, "engine.load_timeout_s", "> 0", self.load_timeout_s)
         if self.kind == "vllm":
