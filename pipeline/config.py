@@ -186,6 +186,8 @@ class SimulatedEngineConfig:
     vocab_size: int = 128  # synthetic token ids are drawn below this
     fail_rate: float = 0.0  # fault injection: share of generate calls that raise
     hang_rate: float = 0.0  # fault injection: share of generate calls that never return
+    die_after: int = 0  # fault injection: after this many groups the engine is dead until restarted; 0 = never
+    failed_restarts: int = 0  # fault injection: this many restarts (start after close) fail before one works
 
     def __post_init__(self) -> None:
         _check(0 <= self.fail_rate <= 1, "engine.simulated.fail_rate", "in [0, 1]", self.fail_rate)
@@ -194,6 +196,8 @@ class SimulatedEngineConfig:
         _check(self.concurrency >= 0, "engine.simulated.concurrency", ">= 0 (0 = unlimited)", self.concurrency)
         _check(self.completion_tokens >= 1, "engine.simulated.completion_tokens", ">= 1", self.completion_tokens)
         _check(self.vocab_size >= 2, "engine.simulated.vocab_size", ">= 2", self.vocab_size)
+        _check(self.die_after >= 0, "engine.simulated.die_after", ">= 0 (0 = never)", self.die_after)
+        _check(self.failed_restarts >= 0, "engine.simulated.failed_restarts", ">= 0", self.failed_restarts)
 
 
 @dataclass(frozen=True)
@@ -206,6 +210,8 @@ class EngineConfig:
     retries: int = 2  # a generate call that raises or times out is retried this many times, then failed
     retry_backoff_s: float = 0.5  # wait before retry r: retry_backoff_s * 2**r
     max_consecutive_errors: int = 5  # an engine whose calls fail this many times in a row is taken out
+    restarts: int = 3  # times the pipeline may restart one engine it built after it left the rotation; 0 = never
+    restart_backoff_s: float = 5.0  # wait between closing a failed engine and starting it again
     start_timeout_s: float = 900.0  # an engine that has not started by then is an error
     load_timeout_s: float = 120.0  # an adapter load that takes longer is an error
     transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
@@ -220,6 +226,8 @@ class EngineConfig:
         _check(self.retries >= 0, "engine.retries", ">= 0", self.retries)
         _check(self.retry_backoff_s >= 0, "engine.retry_backoff_s", ">= 0", self.retry_backoff_s)
         _check(self.max_consecutive_errors >= 1, "engine.max_consecutive_errors", ">= 1", self.max_consecutive_errors)
+        _check(self.restarts >= 0, "engine.restarts", ">= 0 (0 = never restart)", self.restarts)
+        _check(self.restart_backoff_s >= 0, "engine.restart_backoff_s", ">= 0", self.restart_backoff_s)
         _check(self.start_timeout_s > 0, "engine.start_timeout_s", "> 0", self.start_timeout_s)
         _check(self.load_timeout_s > 0, "engine.load_timeout_s", "> 0", self.load_timeout_s)
         if self.kind == "vllm":

@@ -3,7 +3,7 @@
     PipelineError
     ├── ConfigError              fatal: a config value, file or flag is wrong (names the field)
     ├── FatalError               the run cannot go on; shutdown checkpoints and exits
-    │   ├── EngineDeadError      an engine stopped working and cannot be restarted
+    │   ├── EngineDeadError      an engine stopped working; the run's error once none is left (restarts spent)
     │   ├── AdapterError         a published adapter cannot be used
     │   │   ├── AdapterNotFoundError    no such version in the store
     │   │   └── AdapterCorruptError     manifest or file hashes do not match

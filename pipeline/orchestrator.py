@@ -3,7 +3,8 @@
     ledger ids ─► _admission_loop ─► _group_task (a group) or _wave_task ─────► RolloutBuffer
                  │ buffer.admit()   (the groups admitted together: generate_many)   │
                  │ (staleness bound)  generate(n) → decode → reward (_accept)       │ get_batch (EDF)
-                 │                    (retried; failing engines leave rotation)     │
+                 │                    (retried; failing engines leave rotation;     │
+                 │                    _restart_loop restarts them and they return)  │
                  ▼                                                                  ▼
     serving version ◄─ _adapter_loop ◄─ AdapterStore.publish ◄──────────── _train_loop
                        verify, engine.load_adapter(v)   (shared filesystem)  trainer.step (thread)
@@ -33,6 +34,13 @@ Invariants:
   before engines load a new version, admission pauses and the groups in flight finish on the
   weights they started with; then every engine loads the version (one directory, written once)
   and admission resumes at it. A group is never sampled across two versions.
+- An engine this pipeline built that left the rotation is restarted in the background (closed,
+  engine.restart_backoff_s, started, the adapter versions in use loaded) and rejoins; every
+  attempt counts against engine.restarts, and once they are spent it stays out. An engine the
+  caller passed in is never restarted (nor closed). While none is in rotation and one is being
+  restarted, groups wait for it rather than fail (a death costs no retry); with none in rotation
+  and none restarting the run fails with EngineDeadError. A failed call counts against an engine
+  only if it was sent after the engine last left the rotation.
 - The first task to fail ends the run with that error; shutdown closes the buffer, cancels,
   gathers under a timeout, records what was in flight as dropped ("shutdown"), flushes the log
   and closes what the pipeline built. CancelledError is never swallowed. A stop request (the
@@ -271,6 +279,14 @@ class Pipeline:
         self._healthy: list[Engine] = list(self.engines)  # engines in rotation
         self._engine_errors: dict[str, int] = {e.name: 0 for e in self.engines}  # consecutive failed calls
         self._engine_load: dict[str, int] = {e.name: 0 for e in self.engines}  # calls in progress
+        # times each engine left the rotation: a call's failure counts only if sent since the last time
+        self._epoch: dict[str, int] = {e.name: 0 for e in self.engines}
+        self._restarting: dict[str, asyncio.Task[None]] = {}  # engines being restarted, by name
+        self._restarts_done: Counter[str] = Counter()  # restarts that put an engine back in rotation
+        self._restart_failures: Counter[str] = Counter()  # restart attempts that failed
+        self._rotation_grew = asyncio.Event()  # set (then replaced) when an engine returns or a restart gives up
+        self._served = self.start_version  # the version engines serve; the adapter loop moves it
+        self._adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
         self.trainer = self._user_trainer or self._build_trainer()
         try:
             async with asyncio.timeout(cfg.engine.start_timeout_s):
@@ -278,7 +294,6 @@ class Pipeline:
         except TimeoutError:
             raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
                                   f"{cfg.engine.start_timeout_s} s") from None
-        self._adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
         if ck is not None:
             # the trainer continues from the checkpoint; its version is published again (the same
             # bytes, the same directory name) and every engine serves it before the first group
@@ -322,9 +337,9 @@ class Pipeline:
         return rows
 
     async def _load_on_engines(self, ref: AdapterRef) -> None:
-        """Every engine in rotation loads `ref`, each under engine.load_timeout_s."""
+        """Every engine in rotation loads `ref`, each under engine.load_timeout_s; so does an engine
+        that comes back into rotation (restarted) while the others load."""
         timeout = self.config.engine.load_timeout_s
-        engines = list(self._healthy)
 
         async def one(e: Engine) -> None:
             try:
@@ -334,13 +349,18 @@ class Pipeline:
                 raise AdapterError(f"engine {e.name} did not load adapter {ref.path} within "
                                    f"engine.load_timeout_s = {timeout} s") from None
 
-        results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
-        for e, r in zip(engines, results):
-            if isinstance(r, EngineDeadError):
-                self._engine_failed(e, r)  # a dead engine leaves the rotation; the others serve on
-            elif isinstance(r, BaseException):
-                raise r
-        self._pick_engine()  # raises if no engine is left
+        done: set[tuple[str, int]] = set()  # (engine, epoch): a restarted engine is a new one to load
+        while engines := [e for e in self._healthy if (e.name, self._epoch[e.name]) not in done]:
+            epochs = [self._epoch[e.name] for e in engines]
+            done.update((e.name, ep) for e, ep in zip(engines, epochs))
+            results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+            for e, epoch, r in zip(engines, epochs, results):
+                if isinstance(r, EngineDeadError):
+                    self._engine_failed(e, r, epoch)  # a dead engine leaves the rotation; the others serve on
+                elif isinstance(r, BaseException):
+                    raise r
+        if not self._healthy and not self._restarting:
+            raise self._no_engine_error()
 
     async def _unload_on_engines(self, ref: AdapterRef, engines: Sequence[Engine]) -> None:
         """Free `ref` on each engine, each under engine.load_timeout_s; a failure costs memory, not the run."""
@@ -569,21 +589,151 @@ class Pipeline:
         return adm, GroupRequest(gid, prompt, cfg.sampling.n, cfg.sampling.max_new_tokens, seed)
 
     def _pick_engine(self) -> Engine:
+        """The least loaded engine in rotation (EngineDeadError if there is none)."""
         if not self._healthy:
-            raise EngineDeadError(f"no engine is left in rotation ({', '.join(e.name for e in self.engines)} "
-                                  f"failed engine.max_consecutive_errors = {self.config.engine.max_consecutive_errors} "
-                                  "calls in a row); see events.jsonl for their errors")
+            raise self._no_engine_error()
         return min(self._healthy, key=lambda e: self._engine_load[e.name])
 
-    def _engine_failed(self, engine: Engine, error: BaseException) -> None:
-        """Count a failed call; an engine dead, or failing too often in a row, leaves the rotation."""
-        self._engine_errors[engine.name] += 1
+    async def _engine_for_call(self) -> Engine:
+        """The least loaded engine in rotation; while none is and one is being restarted, wait for it.
+
+        Groups wait here rather than fail: a restart ends either with the engine back in rotation
+        or, when its restarts are spent and nothing else can generate, with the run's error."""
+        while not self._healthy and self._restarting:
+            await self._rotation_grew.wait()
+        return self._pick_engine()
+
+    def _rotation_changed(self) -> None:
+        """Wake every call waiting for an engine (each waits on the event it found; a new one follows)."""
+        self._rotation_grew.set()
+        self._rotation_grew = asyncio.Event()
+
+    def _no_engine_error(self) -> EngineDeadError:
+        ec = self.config.engine
+        if not self._built_engines:
+            why = "engines passed to Pipeline(engines=...) are the caller's and are not restarted"
+        elif ec.restarts == 0:
+            why = "engine.restarts = 0, so engines are not restarted"
+        else:
+            tried = ", ".join(f"{n}: {self._restarts_done[n]} restarted, {self._restart_failures[n]} failed"
+                              for n in self._epoch)
+            why = f"every engine's restarts are spent (engine.restarts = {ec.restarts}; {tried})"
+        return EngineDeadError(f"no engine is left in rotation ({', '.join(e.name for e in self.engines)} died or "
+                               f"failed engine.max_consecutive_errors = {ec.max_consecutive_errors} calls in a row; "
+                               f"{why}); see events.jsonl for their errors")
+
+    def _engine_failed(self, engine: Engine, error: BaseException, epoch: int) -> None:
+        """Count a failed call; an engine dead, or failing too often in a row, leaves the rotation
+        (and is restarted in the background where `_restart_later` allows).
+
+        `epoch` is the engine's epoch when the call was sent: a call sent before the engine last
+        left the rotation says nothing about the engine since, and is not counted against it."""
+        name = engine.name
+        if epoch != self._epoch[name]:
+            return
+        self._engine_errors[name] += 1
         dead = isinstance(error, EngineDeadError)
-        if (dead or self._engine_errors[engine.name] >= self.config.engine.max_consecutive_errors) \
-                and engine in self._healthy:
+        failing = dead or self._engine_errors[name] >= self.config.engine.max_consecutive_errors
+        if failing and engine in self._healthy:
             self._healthy.remove(engine)
-            log.error("engine_out_of_rotation", engine=engine.name, consecutive_errors=self._engine_errors[engine.name],
+            self._epoch[name] += 1
+            log.error("engine_out_of_rotation", engine=name, consecutive_errors=self._engine_errors[name],
                       error=repr(error), engines_left=[e.name for e in self._healthy])
+            self._restart_later(engine)
+
+    def _restart_later(self, engine: Engine) -> None:
+        """Restart `engine` in the background if the pipeline built it and it has restarts left."""
+        ec = self.config.engine
+        name = engine.name
+        if engine not in self._built_engines:
+            log.warning("engine_not_restarted", engine=name, reason="caller_owned",
+                        hint="the pipeline restarts only engines it built from engine.kind; "
+                             "an engine passed to Pipeline(engines=...) is the caller's to restart")
+        elif ec.restarts == 0:
+            log.warning("engine_not_restarted", engine=name, reason="restarts_off", restarts=0)
+        elif self._restarts_done[name] + self._restart_failures[name] >= ec.restarts:
+            log.error("engine_not_restarted", engine=name, reason="restarts_spent", restarts=ec.restarts,
+                      restarted=self._restarts_done[name], failed=self._restart_failures[name])
+        else:
+            self._restarting[name] = self._spawn(self._restart_loop(engine), f"restart-{name}")
+
+    async def _restart_loop(self, engine: Engine) -> None:
+        """Consumes an engine the pipeline built that left the rotation; produces it back in rotation,
+        started afresh with the adapter versions in use; waits on its close, engine.restart_backoff_s,
+        its start and its adapter loads.
+
+        Every attempt, failed or not, counts against engine.restarts. When they are spent the engine
+        stays out; if then no engine is in rotation or being restarted, the run fails.
+        """
+        ec = self.config.engine
+        name = engine.name
+        error: Exception | None = None
+        try:
+            while (attempt := self._restarts_done[name] + self._restart_failures[name] + 1) <= ec.restarts:
+                log.warning("engine_restarting", engine=name, attempt=attempt, restarts=ec.restarts,
+                            backoff_s=ec.restart_backoff_s)
+                t0 = time.monotonic()
+                try:
+                    versions = await self._restart_once(engine)
+                except Exception as e:  # this attempt failed, whatever raised: counted, and the next one tries
+                    error = e
+                    self._restart_failures[name] += 1
+                    log.error("engine_restart_failed", engine=name, attempt=attempt, restarts=ec.restarts,
+                              error=repr(e))
+                    continue
+                self._restarts_done[name] += 1
+                log.info("engine_restarted", engine=name, attempt=attempt, seconds=round(time.monotonic() - t0, 3),
+                            versions=versions, engines_in_rotation=[e.name for e in self._healthy])
+                return
+            log.error("engine_not_restarted", engine=name, reason="restarts_spent", restarts=ec.restarts,
+                      restarted=self._restarts_done[name], failed=self._restart_failures[name], error=repr(error))
+        finally:
+            del self._restarting[name]
+            self._rotation_changed()
+        if not self._healthy and not self._restarting:
+            raise self._no_engine_error() from error
+
+    async def _restart_once(self, engine: Engine) -> list[int]:
+        """Close `engine`, wait engine.restart_backoff_s, start it (under engine.start_timeout_s), load
+        the adapter versions in use (each under engine.load_timeout_s) and put it back in rotation.
+
+        Closing first fails what the engine still holds (so those groups go elsewhere or wait) and
+        frees its resources during the backoff. Returns the versions loaded."""
+        ec = self.config.engine
+        async with asyncio.timeout(self.config.pipeline.shutdown_timeout_s):
+            await engine.close()
+        await asyncio.sleep(ec.restart_backoff_s)
+        try:
+            async with asyncio.timeout(ec.start_timeout_s):
+                await engine.start()
+        except TimeoutError:
+            raise EngineDeadError(f"engine {engine.name} did not start again within engine.start_timeout_s = "
+                                  f"{ec.start_timeout_s} s") from None
+        loaded: dict[str, int] = {}
+        tried: set[str] = set()
+        while refs := [r for r in self._refs_in_use() if r.name not in tried]:
+            for ref in refs:
+                tried.add(ref.name)
+                try:
+                    async with asyncio.timeout(ec.load_timeout_s):
+                        await engine.load_adapter(ref)
+                except TimeoutError:
+                    raise AdapterError(f"engine {engine.name} did not load adapter {ref.path} within "
+                                       f"engine.load_timeout_s = {ec.load_timeout_s} s") from None
+                except AdapterError:
+                    if ref in self._refs_in_use():
+                        raise
+                    continue  # its last group ended while it loaded and retention removed it: not needed
+                loaded[ref.name] = ref.version
+        # nothing awaited since the versions in use were last read: none can be missing
+        self._engine_errors[engine.name] = 0
+        self._healthy.append(engine)
+        return sorted(loaded.values())
+
+    def _refs_in_use(self) -> list[AdapterRef]:
+        """The adapters a group in flight, or the next one admitted, may ask an engine for (not the base)."""
+        versions = {self._served, *(self.buffer.in_flight_versions() if self.buffer is not None else ())}
+        return [self._adapters[v] for v in sorted(versions) if v > 0 and v in self._adapters]
 
     async def _generate(self, adm: Admission, request: GroupRequest, attempt: int = 0) -> Generation | None:
         """One group from the engines: retried (with backoff, on the least loaded engine) until it
@@ -593,7 +743,8 @@ class Pipeline:
         while True:
             if attempt:
                 await asyncio.sleep(ec.retry_backoff_s * 2 ** (attempt - 1))
-            engine = self._pick_engine()
+            engine = await self._engine_for_call()
+            epoch = self._epoch[engine.name]
             self._engine_load[engine.name] += 1
             try:
                 async with asyncio.timeout(ec.request_timeout_s):
@@ -601,7 +752,7 @@ class Pipeline:
                 self._engine_errors[engine.name] = 0
                 return gen
             except _ENGINE_ERRORS as e:
-                self._engine_failed(engine, e)
+                self._engine_failed(engine, e, epoch)
                 attempt = await self._after_failed_attempt(adm, engine, e, attempt)
                 if attempt < 0:
                     return None
@@ -612,17 +763,19 @@ class Pipeline:
         """The attempt to retry next, or -1: the group failed for good (settled here).
 
         An engine call failing is this attempt's failure, counted and logged, not the run's; a
-        dead engine's calls do not use up retries (another engine takes the group)."""
+        dead engine's calls do not use up retries (another engine, or this one restarted, takes the
+        group)."""
         ec = self.config.engine
         reason = "generation_timeout" if isinstance(error, TimeoutError) else "generation_error"
-        if isinstance(error, EngineDeadError) and self._healthy:
+        can_generate = bool(self._healthy or self._restarting)
+        if isinstance(error, EngineDeadError) and can_generate:
             return attempt
-        if attempt >= ec.retries or not self._healthy:
+        if attempt >= ec.retries or not can_generate:
             log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason,
                         attempts=attempt + 1, error=repr(error))
             await self._settle_failed(adm.group_id, reason, None, None)
-            if not self._healthy:
-                self._pick_engine()  # raises: nothing can generate any more
+            if not can_generate:
+                raise self._no_engine_error()  # nothing can generate any more
             return -1
         self._retries += 1
         log.info("generation_retry", group_id=adm.group_id, engine=engine.name, attempt=attempt + 1,
@@ -639,7 +792,8 @@ class Pipeline:
         """Groups admitted together (one version), sampled by one `generate_many` call; a group
         the call failed goes on alone, through the per-group retries."""
         ec = self.config.engine
-        engine = self._pick_engine()
+        engine = await self._engine_for_call()
+        epoch = self._epoch[engine.name]
         self._engine_load[engine.name] += 1
         try:
             async with asyncio.timeout(ec.request_timeout_s):
@@ -657,7 +811,7 @@ class Pipeline:
                 done.append((adm, r))
                 continue
             if not failed:  # one failed call counts once against the engine
-                self._engine_failed(engine, r)
+                self._engine_failed(engine, r, epoch)
                 failed = True
             attempt = await self._after_failed_attempt(adm, engine, r, 0)
             if attempt >= 0:
@@ -783,7 +937,7 @@ class Pipeline:
                                        f"max_staleness = {K} allows no older data") from e
                 continue
             self.publish_to_loaded[newest] = time.monotonic() - self._publish_t[newest]
-            served = newest
+            served = self._served = newest  # an engine restarted from now on loads it before it serves
             structlog.contextvars.bind_contextvars(policy_version=served)
             await self.buffer.set_serving_version(served)
             if full:
@@ -792,7 +946,7 @@ class Pipeline:
             keep_from = min(self.buffer.in_flight_versions() + [served - K])
             for v in [v for v in self._adapters if 0 < v < keep_from]:
                 old = self._adapters.pop(v)
-                await self._unload_on_engines(old, self._healthy)
+                await self._unload_on_engines(old, list(self._healthy))
             await asyncio.to_thread(self.store.prune, keep_from)
 
     async def _train_loop(self) -> None:
@@ -995,6 +1149,7 @@ class Pipeline:
             "rollout/buffered": c.buffered, "rollout/dropped": sum(dropped.values()),
             "rollout/failed": sum(failed.values()), "rollout/version_mismatch": self._version_mismatches,
             "rollout/retries": self._retries,
+            "engine/in_rotation": len(self._healthy),
             "rollout/versions_verified": len(batch.groups),
             "time/wait_batch_s": wait_s, "time/publish_s": publish_s,
             "adapter/publish_to_loaded_s": self.publish_to_loaded.get(ref.version - 1, float("nan")),
@@ -1121,6 +1276,8 @@ class Pipeline:
             "checkpoint_step": self.checkpoint_step,
             "stopped_by": self.stopped_by,
             "engines_out_of_rotation": [e.name for e in self.engines if e not in self._healthy],
+            "engine_restarts": dict(self._restarts_done),
+            "engine_restart_failures": dict(self._restart_failures),
             "adapter_load_failures": dict(self._load_failures),
             "generation_retries": self._retries,
             "groups_per_s": c.trained / max(wall, 1e-9),

@@ -258,6 +258,10 @@ def _load_text(tmp_path: Path, text: str | bytes, overrides: list[str] | None = 
     ('[trainer]\ntarget_modules = [""]\n', "trainer.target_modules must be a non-empty list of module names"),
     ("seed = -1\n", "seed must be in [0, "),
     ('out = "a\\u0000b"\n', "out must be a path without NUL characters"),
+    ("[engine]\nrestarts = -1\n", "engine.restarts must be >= 0 (0 = never restart), got -1"),
+    ("[engine]\nrestart_backoff_s = -0.5\n", "engine.restart_backoff_s must be >= 0, got -0.5"),
+    ("[engine.simulated]\ndie_after = -3\n", "engine.simulated.die_after must be >= 0 (0 = never), got -3"),
+    ("[engine.simulated]\nfailed_restarts = -1\n", "engine.simulated.failed_restarts must be >= 0, got -1"),
 ])
 def test_bad_value_in_a_file_names_the_key_and_what_is_allowed(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as e:

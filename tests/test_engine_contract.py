@@ -352,3 +352,35 @@ def test_cancel_aborts_the_request(h: Harness) -> None:
         assert gen.version == 1 and len(gen.completions) == 2
 
     h.run(scenario())
+
+
+# Last: it restarts the module's engine (a test after it would run on the restarted one).
+def test_close_then_start_serves_afresh(h: Harness) -> None:
+    """A restart (what the Pipeline does to an engine it built that died): close() fails the call
+    it was running, start() on the same object brings it back with no adapter loaded, and each
+    version asked for is loaded again and sampled with its own weights."""
+    from pipeline.errors import EngineDeadError
+
+    async def scenario() -> tuple[Generation, Generation]:
+        await h.engine.load_adapter(h.adapters[1])
+        running = asyncio.get_running_loop().create_task(
+            h.engine.generate(h.request(n=4, max_new_tokens=h.long_tokens), h.adapters[1]))
+        await until_busy(h.engine)
+        await h.engine.close()
+        with pytest.raises(EngineDeadError):
+            await running
+        await h.engine.start()
+        assert 1 not in h.engine.loaded_versions, "a restarted engine must not claim the old adapters"
+        base = await h.engine.generate(h.request(n=4, max_new_tokens=16), h.adapters[0])
+        await h.engine.load_adapter(h.adapters[2])
+        return base, await h.engine.generate(h.request(n=4, max_new_tokens=32), h.adapters[2])
+
+    base, gen = h.run(scenario())
+    assert (base.version, gen.version) == (0, 2) and len(base.completions) == len(gen.completions) == 4
+    assert 2 in h.engine.loaded_versions
+    if h.recompute is not None:
+        for g, v in ((base, 0), (gen, 2)):
+            ok, what = h.dlogprob_ok(g, v)
+            assert ok, f"{h.kind} after a restart: log-probs on version {v} disagree with transformers: {what}"
+        d = version_distances(h.recompute, gen, (0, 1, 2))
+        assert d[2] < VERSION_SEPARATION * min(d[0], d[1]), d

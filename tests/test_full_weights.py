@@ -52,3 +52,14 @@ def test_resuming_with_the_other_update_kind_is_refused_clearly(tmp_path):
     with pytest.raises(ConfigError, match="trained with trainer.update = .lora.; it cannot continue with .full."):
         run(full, resume=True)
     assert Path(tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_restarted_full_weight_engine_serves_the_served_version_again(tmp_path):
+    """An engine that dies mid-run is restarted and loads the version being served (not the base)."""
+    cfg = sim_config(tmp_path, K=1, B=3, n=2, steps=12, latency=0.002, concurrency=2,
+                     **{"trainer.update": "full", "engine.simulated.die_after": 20, "engine.restart_backoff_s": 0.01})
+    p, summary = run(cfg, prompts=PROMPTS * 2)
+    assert summary["error"] is None and summary["steps"] == 12, summary
+    assert sum(summary["engine_restarts"].values()) >= 1
+    assert summary["groups_failed"] == {}, summary
+    assert_accounted(p, summary)

@@ -13,6 +13,9 @@ Invariants every engine keeps:
   of one run is not version 3 of another.
 - `start()` is idempotent: a Pipeline calls it on every engine, including engines the caller
   built and started already (those it does not close either: the caller owns them).
+- `start()` after `close()` starts the same object afresh (a restart): the model is loaded again,
+  no adapter is loaded, and calls made before the close never complete on the new start (they
+  raise EngineDeadError or an error of their own). The Pipeline restarts only engines it built.
 - Engines never call back into the orchestrator.
 - Full-weight updates (built with `full_weights=True`): a version is a whole model directory
   and an engine holds one version at a time. `load_adapter` replaces the weights (the caller
@@ -43,7 +46,7 @@ class Engine(Protocol):
     busy: BusyMeter  # entered while at least one request runs: the engine's busy time
 
     async def start(self) -> None:
-        """Load the model. Called once, inside the running event loop, before any other call."""
+        """Load the model, inside the running event loop, before any other call; after `close()`, again."""
         ...
 
     async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:

@@ -6,7 +6,10 @@ Speed: each group takes `latency_s`; at most `concurrency` groups run at once (0
 so `concurrency / latency_s` groups per second is the generator's standalone rate.
 Tokens are deterministic in (seed, group id, version, request seed): a test can tell versions apart.
 Fault injection: a share `fail_rate` of calls raises GenerationError and a share `hang_rate`
-never returns (until cancelled), drawn from the engine's own seeded generator.
+never returns (until cancelled), drawn from the engine's own seeded generator. With `die_after`
+the engine dies (every call raises EngineDeadError) once it has taken that many groups since it
+started; `start()` after `close()` revives it, except that the first `failed_restarts` restarts
+raise EngineDeadError (a machine that does not come back).
 Full-weight updates (`full_weights=True`): the engine holds one version, as a GPU engine holds
 one copy of the weights. A call for any other version raises GenerationError, and loading
 another version while any call runs raises GenerationError too: the orchestrator drains before
@@ -42,6 +45,10 @@ class SimulatedEngine:
         self._slots = asyncio.Semaphore(self.cfg.concurrency) if self.cfg.concurrency else None
         self._taking_slots = asyncio.Lock()
         self._closed = False
+        self._closes = 0  # close() calls so far: a call that spans one raises EngineDeadError
+        self._started = False
+        self._restarts = 0  # start() calls after a close()
+        self._groups_since_start = 0  # groups asked for since the last start (die_after counts these)
         self._tokens: np.ndarray | None = None
         self._logprobs: np.ndarray | None = None
         self._faults = np.random.default_rng([seed, 0xFA17])
@@ -52,7 +59,18 @@ class SimulatedEngine:
         self._calls = 0  # full-weight mode: generate / generate_many calls running
 
     async def start(self) -> None:
-        return None
+        """Start; after `close()`, start afresh (no adapter loaded, `die_after` counts from zero)."""
+        if self._started and not self._closed:
+            return
+        if self._closed:
+            self._restarts += 1
+            if self._restarts <= self.cfg.failed_restarts:
+                raise EngineDeadError(f"engine {self.name}: injected failed restart {self._restarts} "
+                                      f"(engine.simulated.failed_restarts = {self.cfg.failed_restarts})")
+            self.loaded_versions = {0}
+        self._closed = False
+        self._started = True
+        self._groups_since_start = 0
 
     _POOL = 1 << 18  # synthetic values drawn once; groups take slices (a fresh RNG per group costs ~50 us)
 
@@ -72,9 +90,14 @@ class SimulatedEngine:
         logprobs = (self._logprobs[off:off + size] - np.float32(0.01 * version)).reshape(request.n, T)
         return tuple(Completion(tokens[i], logprobs[i], "length") for i in range(request.n))
 
-    def _check_ready(self, adapter: AdapterRef) -> None:
+    def _check_ready(self, adapter: AdapterRef, groups: int = 0) -> None:
+        """Refuse calls on a closed or dead engine; count `groups` towards `die_after`."""
         if self._closed:
             raise EngineDeadError(f"engine {self.name} is closed")
+        if self.cfg.die_after and self._groups_since_start >= self.cfg.die_after:
+            raise EngineDeadError(f"engine {self.name} died (injected: engine.simulated.die_after = "
+                                  f"{self.cfg.die_after} groups)")
+        self._groups_since_start += groups
         self.loaded_versions.add(adapter.version)  # loading costs nothing here
 
     def _fault(self, request: GroupRequest) -> str | None:
@@ -105,7 +128,8 @@ class SimulatedEngine:
             self._calls -= 1
 
     async def _generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
-        self._check_ready(adapter)
+        self._check_ready(adapter, 1)
+        closes = self._closes
         self.stats["requests"] += 1
         t_start = time.monotonic()
         fault = self._fault(request)
@@ -128,6 +152,7 @@ class SimulatedEngine:
         except asyncio.CancelledError:
             self.stats["cancelled"] += 1
             raise
+        self._check_not_closed_since(closes, request.group_id)
         self.stats["tokens"] += sum(len(c.token_ids) for c in completions)
         return Generation(request, completions, version=adapter.version, engine=self.name,
                           t_start=t_start, t_end=time.monotonic())
@@ -152,7 +177,8 @@ class SimulatedEngine:
         latency per `concurrency` groups (all of it holds the slots it needs). An injected hang
         hangs the whole call, as a stuck engine would.
         """
-        self._check_ready(adapter)
+        self._check_ready(adapter, len(requests))
+        closes = self._closes
         self.stats["requests"] += len(requests)
         t_start = time.monotonic()
         faults = [self._fault(r) for r in requests]
@@ -187,6 +213,7 @@ class SimulatedEngine:
         finally:
             for _ in range(held):
                 self._slots.release()
+        self._check_not_closed_since(closes, requests[0].group_id if requests else -1)
         return out
 
     async def load_adapter(self, adapter: AdapterRef) -> None:
@@ -201,7 +228,14 @@ class SimulatedEngine:
         if adapter.version != 0:
             self.loaded_versions.discard(adapter.version)
 
+    def _check_not_closed_since(self, closes: int, group_id: int) -> None:
+        """A call the engine was closed under (even if started again since) fails, as a real one would."""
+        if self._closes != closes:
+            raise EngineDeadError(f"engine {self.name} closed during group {group_id}")
+
     async def close(self) -> None:
+        if not self._closed:
+            self._closes += 1
         self._closed = True
 
     def _check_weights(self, adapter: AdapterRef, requests: Sequence[GroupRequest]) -> None:

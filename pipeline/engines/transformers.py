@@ -30,6 +30,8 @@ Invariants (beyond the Engine protocol's):
   `generate` for any version but the one held (or, while a load is under way, the one being
   loaded, which the call waits for) raises GenerationError: a group is never sampled with
   other weights than its label. `unload_adapter` does nothing.
+- `close()` fails every pending request with EngineDeadError and shuts the worker thread down;
+  `start()` after it starts afresh on a new worker thread (the model loaded again, no adapter).
 """
 
 from __future__ import annotations
@@ -168,7 +170,17 @@ class TransformersEngine:
         self._eos_arg = None if eos_token_ids is None else frozenset(int(t) for t in eos_token_ids)
         self._eos_ids: frozenset[int] = frozenset()  # set by start(); empty = rows always run to max_new_tokens
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-torch")
+        # pending or running generate calls per version; kept across a restart, where calls made
+        # before the close still give their counts back as they unwind
+        self._in_use: Counter[int] = Counter()
+        self._closes = 0  # close() calls so far: a wait that spans one learns the engine closed under it
+        self.full_weights = full_weights
+        self._idle = asyncio.Event()  # set whenever no generate call is queued or running (tracks _in_use)
+        self._fresh_state()
+
+    def _fresh_state(self) -> None:
+        """The state of an engine not yet started: set at construction and again by a restart."""
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-torch")
 
         # Event-loop state.
         self._queue: deque[_Pending] = deque()
@@ -177,17 +189,15 @@ class TransformersEngine:
         self._batch_task: asyncio.Task[None] | None = None
         self._loaded: dict[int, AdapterRef] = {}  # versions loaded or being loaded (not 0)
         self._loading: dict[int, asyncio.Task[None]] = {}
-        self._in_use: Counter[int] = Counter()  # version -> pending or running generate calls
         self._unload_requested: set[int] = set()
         self._started = False
         self._closed = False
         self._dead: EngineDeadError | None = None  # set if the batching task itself failed
-        self.full_weights = full_weights
         # full-weight mode: the version the model holds once every submitted job ran (None: a copy
-        # into the parameters failed half-way, so no version until a load succeeds)
+        # into the parameters failed half-way, so no version until a load succeeds); a restart
+        # loads the base model again
         self._weights: AdapterRef | None = AdapterRef.base()
         self._swap: tuple[AdapterRef, asyncio.Task[None]] | None = None  # the weight load under way
-        self._idle = asyncio.Event()  # set whenever no generate call is queued or running
 
         # Worker-thread state.
         self._model: torch.nn.Module | None = None  # the transformers model; peft injects LoRA layers into it
@@ -209,6 +219,10 @@ class TransformersEngine:
         return tuple(sorted(self._loaded))
 
     async def start(self) -> None:
+        """Load the model and start batching; after `close()`, do it again on a fresh worker thread."""
+        if self._closed:
+            # the old worker thread was shut down by close(); its model and adapters went with it
+            self._fresh_state()
         if self._started:
             return
         loop = asyncio.get_running_loop()
@@ -282,6 +296,7 @@ class TransformersEngine:
         if self._closed:
             return
         self._closed = True
+        self._closes += 1
         error = EngineDeadError(f"engine {self.name} closed")
         for item in [*self._running, *self._queue]:
             item.cancelled = True  # the worker stops at its next step
@@ -346,6 +361,7 @@ class TransformersEngine:
         `own_use` is how many of the version's in-use counts belong to the caller itself.
         """
         version = adapter.version
+        closes = self._closes
         task = self._loading.get(version)
         if task is None:
             known = self._loaded.get(version)
@@ -372,7 +388,8 @@ class TransformersEngine:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if task.cancelled() and self._closed and not (current is not None and current.cancelling()):
+            # closed under us, even if started again since: the load was cancelled, not this call
+            if task.cancelled() and self._closes != closes and not (current is not None and current.cancelling()):
                 raise EngineDeadError(f"engine {self.name} closed while loading adapter version {version}") from None
             raise
 

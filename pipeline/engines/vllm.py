@@ -44,10 +44,18 @@ Two engines on one GPU work when started one after the other, each with its own
 `gpu_memory_utilization` (<= 0.45 each). Both, and an engine placed on the second GPU of two,
 are checked on H200s by tests/test_vllm_gpu.py.
 
-Start-up blocks the event loop for the whole vLLM start (the AsyncLLM constructor waits for the
-engine core synchronously: 20-45 s for the built-in "small" model in eager mode on an H200, more
-with torch.compile and CUDA graphs); call it before the run's loops start. The engine must then
-be used from the event loop that started it (its output task lives there).
+Start-up runs the AsyncLLM constructor in a worker thread: it waits for the engine core
+synchronously (20-45 s for the built-in "small" model in eager mode on an H200, more with
+torch.compile and CUDA graphs), and a restart in the middle of a run must not stall the loop, the
+other engines and the trainer meanwhile. Constructed outside the loop, AsyncLLM starts its output
+task lazily, on the first request or adapter load, on the loop that makes it; the engine must
+then be used from the event loop that awaited `start()`. CUDA_VISIBLE_DEVICES is process-wide, so
+one engine at a time narrows it (a lock), and the physical GPU is read under the same lock.
+
+Restart. `close()` aborts what runs and shuts the AsyncLLM down (its engine-core process, and with
+it the GPU memory and every adapter); `start()` after `close()` builds a new AsyncLLM on the same
+GPU and forgets the old adapters (lora ids keep counting, never reused). A call that was inside the
+engine when it closed raises EngineDeadError even if the engine has started again since.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ import asyncio
 import contextlib
 import json
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -94,6 +103,9 @@ ENV_DEFAULTS = {
     # without torch noticing); vLLM forces spawn anyway whenever torch has initialised CUDA.
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
 }
+
+# CUDA_VISIBLE_DEVICES is one per process: engines starting in worker threads narrow it in turn.
+_NARROWING = threading.Lock()
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM's finish_reason -> ours; others kept as is
 _FAILED_REASONS = ("abort", "error")  # a completion that ended like this is no sample of the policy
@@ -255,6 +267,7 @@ class VLLMEngine:
         self._running: set[str] = set()  # request ids of generate calls inside vLLM now
         self._background: set[asyncio.Task[Any]] = set()  # adapter removals under way
         self._closed = False
+        self._closes = 0  # close() calls so far: a call that spans one learns the engine closed under it
         self.full_weights = full_weights
         # full-weight mode: the version whose weights vLLM holds (None: unknown after a failed reload)
         self._weights: AdapterRef | None = AdapterRef.base()
@@ -283,27 +296,33 @@ class VLLMEngine:
         return int(self._llm.output_processor.get_num_unfinished_requests())
 
     async def start(self) -> None:
+        """Start vLLM; after `close()`, start a new AsyncLLM (a restart: no adapter is loaded)."""
         async with self._start_lock:
+            if self._closed:
+                self._reopen()
             if self._llm is not None:
                 return
-            self._check_not_closed()
-            self._start_locked()
+            await self._start_locked()
 
     async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
         self._check_usable()
         t_start = time.monotonic()
         self._check_request(request)
         self.stats.requests += 1
+        closes = self._closes
         entry: _Adapter | None = None
         request_id = f"{self.name}-{request.group_id}-{uuid.uuid4().hex}"
         if self.full_weights:
             self._check_weights(request, adapter)  # nothing is awaited between this and the request's start
         try:
             entry = None if self.full_weights else await self._acquire(adapter)
+            if self._closes != closes:
+                raise EngineDeadError(f"engine {self.name} closed while group {request.group_id} "
+                                      "waited for its adapter")
             self._check_usable()
             lora = entry.lora if entry is not None else None
-            final = await self._run(request_id, request, lora)
-            generation = self._generation(request, adapter, lora, final, t_start)
+            final = await self._run(request_id, request, lora, closes)
+            generation = self._generation(request, adapter, lora, final, t_start, closes)
         except asyncio.CancelledError:
             self.stats.cancelled += 1
             raise
@@ -349,6 +368,7 @@ class VLLMEngine:
         if self._closed:
             return
         self._closed = True
+        self._closes += 1
         tasks = [*self._background, *(a.ready for a in self._adapters.values())]
         for task in tasks:
             task.cancel()
@@ -400,7 +420,17 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ start-up
 
-    def _start_locked(self) -> None:
+    def _reopen(self) -> None:
+        """After close(): forget what the old AsyncLLM held (it is shut down, its adapters with it)."""
+        self._closed = False
+        self._adapters = {}
+        self._weights = AdapterRef.base()  # a new AsyncLLM starts from the base model's weights
+        self._swapping = None
+        self._running = set()
+        self._background = set()
+        self._loop = None
+
+    async def _start_locked(self) -> None:
         for key, value in ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         try:
@@ -435,15 +465,20 @@ class VLLMEngine:
             logprobs_mode="raw_logprobs" if on_policy else "processed_logprobs",
             disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused
         )
-        gpu = physical_gpu(self.device)
         cuda_was_initialized = torch.cuda.is_initialized()
         t0 = time.monotonic()
+        closes = self._closes
+        building = asyncio.get_running_loop().run_in_executor(None, self._build, AsyncLLM, args)
         try:
-            with visible_devices(gpu):
-                self._llm = AsyncLLM.from_engine_args(args)
-        except Exception as e:  # any start-up failure means this engine cannot serve; say where and why
-            raise EngineDeadError(f"engine {self.name}: vLLM could not start model {str(self.model_path)!r} on "
-                                  f"{self.device} (physical GPU {gpu}): {type(e).__name__}: {e}") from e
+            llm, gpu = await asyncio.shield(building)
+        except asyncio.CancelledError:
+            # the constructor cannot be interrupted: shut down what it started once it is up
+            building.add_done_callback(_shut_down_late)
+            raise
+        if self._closes != closes:  # closed while vLLM came up: nobody will use or close this one
+            llm.shutdown()
+            raise EngineDeadError(f"engine {self.name} was closed while it started")
+        self._llm = llm
         if not cuda_was_initialized and torch.cuda.is_initialized():
             log.warning("cuda_initialized_while_narrowed", engine=self.name, visible=gpu,
                         note="this process initialised CUDA while CUDA_VISIBLE_DEVICES named only the engine's GPU")
@@ -454,6 +489,17 @@ class VLLMEngine:
                  physical_gpu=gpu, seconds=round(time.monotonic() - t0, 2), dtype=self.cfg.dtype,
                  max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, seed=self.seed,
                  logprobs_mode=args.logprobs_mode, max_model_len=self._max_model_len)
+
+    def _build(self, async_llm: Any, args: Any) -> tuple[Any, str]:
+        """The AsyncLLM on the engine's GPU, and that GPU's physical id (in a worker thread)."""
+        with _NARROWING:
+            gpu = physical_gpu(self.device)
+            try:
+                with visible_devices(gpu):
+                    return async_llm.from_engine_args(args), gpu
+            except Exception as e:  # any start-up failure means this engine cannot serve; say where and why
+                raise EngineDeadError(f"engine {self.name}: vLLM could not start model {str(self.model_path)!r} on "
+                                      f"{self.device} (physical GPU {gpu}): {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ requests
 
@@ -505,8 +551,9 @@ class VLLMEngine:
             output_kind=self._vllm["FINAL_ONLY"],
         )
 
-    async def _run(self, request_id: str, request: GroupRequest, lora: Any) -> Any:
-        """Run one vLLM request to its final RequestOutput; abort it if this call is cancelled."""
+    async def _run(self, request_id: str, request: GroupRequest, lora: Any, closes: int) -> Any:
+        """Run one vLLM request to its final RequestOutput; abort it if this call is cancelled.
+        `closes`: close() calls before this one began (more now: the engine closed under it)."""
         prompt = self._vllm["TokensPrompt"](prompt_token_ids=list(request.prompt.token_ids))
         params = self._sampling_params(request)
         final = None
@@ -533,13 +580,13 @@ class VLLMEngine:
             self.busy.exit()
             self._running.discard(request_id)
         if final is None or not final.finished:
-            if self._closed:
+            if self._closes != closes:
                 raise EngineDeadError(f"engine {self.name} closed during group {request.group_id}")
             raise GenerationError(f"engine {self.name}: vLLM ended group {request.group_id} without a final output")
         return final
 
     def _generation(self, request: GroupRequest, adapter: AdapterRef, lora: Any, final: Any,
-                    t_start: float) -> Generation:
+                    t_start: float, closes: int) -> Generation:
         got = final.lora_request
         if (got is None) != (lora is None) or (
                 got is not None and (got.lora_int_id != lora.lora_int_id or got.lora_name != lora.lora_name)):
@@ -554,7 +601,7 @@ class VLLMEngine:
         for c in outputs:
             reason = str(c.finish_reason)
             if reason in _FAILED_REASONS:
-                if self._closed:
+                if self._closes != closes:
                     raise EngineDeadError(f"engine {self.name} closed during group {request.group_id}")
                 raise GenerationError(f"engine {self.name}: completion {c.index} of group {request.group_id} "
                                       f"ended with finish_reason {reason!r}")
@@ -678,11 +725,14 @@ class VLLMEngine:
             self._remove_soon(entry)
 
     async def _wait_ready(self, entry: _Adapter) -> None:
+        closes = self._closes
         try:
             await asyncio.shield(entry.ready)
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if entry.ready.cancelled() and self._closed and not (current is not None and current.cancelling()):
+            # closed under us, even if started again since: the load was cancelled, not this call
+            if entry.ready.cancelled() and self._closes != closes and \
+                    not (current is not None and current.cancelling()):
                 raise EngineDeadError(f"engine {self.name} closed while loading adapter {entry.ref.name}") from None
             raise
 
@@ -736,6 +786,12 @@ class VLLMEngine:
         self.stats.adapters_unloaded += 1
         log.info("adapter_unloaded", engine=self.name, version=entry.ref.version, adapter=entry.ref.name,
                  lora_id=entry.lora.lora_int_id, removed=bool(removed))
+
+
+def _shut_down_late(building: asyncio.Future[Any]) -> None:
+    """A start abandoned while vLLM came up: shut the AsyncLLM down once the constructor returns."""
+    if not building.cancelled() and building.exception() is None:
+        building.result()[0].shutdown()
 
 
 def _loaded_ok(entry: _Adapter) -> bool:
