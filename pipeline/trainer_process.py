@@ -52,6 +52,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import LossConfig, TrainerConfig
+from pipeline.devices import ENV_LOCK
 from pipeline.errors import TrainerError
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
@@ -355,7 +356,8 @@ class ProcessTrainer:
         floor = max(logging.getLogger("pipeline").getEffectiveLevel(), logging.DEBUG)
         self._proc = ctx.Process(target=_serve, args=(child, child_events, floor, self._trainer_cls, self._args,
                                                       self._kwargs), name="pipeline-trainer", daemon=True)
-        self._proc.start()
+        with ENV_LOCK:  # not while a vLLM engine's start has narrowed CUDA_VISIBLE_DEVICES to its GPU
+            self._proc.start()
         child.close()
         child_events.close()  # the child's copy is the only writer left, so its end is the pipe's end
         self._reader = threading.Thread(target=_forward_events, args=(events, self._proc),

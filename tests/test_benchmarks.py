@@ -117,7 +117,8 @@ class StandInVLLM:
 
     instances: list["StandInVLLM"] = []
 
-    def __init__(self, model_path, *, sampling, cfg, device, max_staleness, name, seed) -> None:
+    def __init__(self, model_path, *, sampling, cfg, device, max_staleness, name, seed, full_weights=False) -> None:
+        assert not full_weights, "the sweep's default is LoRA"
         from pipeline.config import SimulatedEngineConfig
         from pipeline.engines.simulated import SimulatedEngine
 

@@ -50,7 +50,9 @@ torch.compile and CUDA graphs), and a restart in the middle of a run must not st
 other engines and the trainer meanwhile. Constructed outside the loop, AsyncLLM starts its output
 task lazily, on the first request or adapter load, on the loop that makes it; the engine must
 then be used from the event loop that awaited `start()`. CUDA_VISIBLE_DEVICES is process-wide, so
-one engine at a time narrows it (a lock), and the physical GPU is read under the same lock.
+one engine at a time narrows it, under `pipeline.devices.ENV_LOCK`, which the trainer process's
+start takes too (spawned inside that window, it saw only the engine's GPU: "invalid device
+ordinal" for a trainer on cuda:1); the physical GPU is read under the same lock.
 
 Restart. `close()` aborts what runs and shuts the AsyncLLM down (its engine-core process, and with
 it the GPU memory and every adapter); `start()` after `close()` builds a new AsyncLLM on the same
@@ -64,17 +66,17 @@ import asyncio
 import contextlib
 import json
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import structlog
 
 from pipeline.config import SamplingConfig, VLLMEngineConfig
+from pipeline.devices import ENV_LOCK, visible_devices
 from pipeline.engines.base import check_model_dir
 from pipeline.errors import (
     AdapterCorruptError,
@@ -103,9 +105,6 @@ ENV_DEFAULTS = {
     # without torch noticing); vLLM forces spawn anyway whenever torch has initialised CUDA.
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
 }
-
-# CUDA_VISIBLE_DEVICES is one per process: engines starting in worker threads narrow it in turn.
-_NARROWING = threading.Lock()
 
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM's finish_reason -> ours; others kept as is
 _FAILED_REASONS = ("abort", "error")  # a completion that ended like this is no sample of the policy
@@ -149,19 +148,6 @@ def physical_gpu(device: str) -> str:
                           f"lists {len(entries)} GPU(s)")
     return entries[index]
 
-
-@contextlib.contextmanager
-def visible_devices(value: str) -> Iterator[None]:
-    """Set CUDA_VISIBLE_DEVICES inside the block; restore the previous value (or its absence) after."""
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
 def check_adapter_dir(adapter: AdapterRef, max_lora_rank: int) -> Path:
@@ -492,14 +478,14 @@ class VLLMEngine:
 
     def _build(self, async_llm: Any, args: Any) -> tuple[Any, str]:
         """The AsyncLLM on the engine's GPU, and that GPU's physical id (in a worker thread)."""
-        with _NARROWING:
+        with ENV_LOCK:  # physical_gpu reads the environment another start may be narrowing
             gpu = physical_gpu(self.device)
-            try:
-                with visible_devices(gpu):
-                    return async_llm.from_engine_args(args), gpu
-            except Exception as e:  # any start-up failure means this engine cannot serve; say where and why
-                raise EngineDeadError(f"engine {self.name}: vLLM could not start model {str(self.model_path)!r} on "
-                                      f"{self.device} (physical GPU {gpu}): {type(e).__name__}: {e}") from e
+        try:
+            with visible_devices(gpu):  # holds ENV_LOCK: no other child starts with this narrowed view
+                return async_llm.from_engine_args(args), gpu
+        except Exception as e:  # any start-up failure means this engine cannot serve; say where and why
+            raise EngineDeadError(f"engine {self.name}: vLLM could not start model {str(self.model_path)!r} on "
+                                  f"{self.device} (physical GPU {gpu}): {type(e).__name__}: {e}") from e
 
     # ------------------------------------------------------------------ requests
 
