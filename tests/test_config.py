@@ -352,3 +352,19 @@ def test_an_override_into_a_section_the_file_gave_as_a_value_names_it(tmp_path: 
 def test_strings_with_control_characters_and_quotes_write_back_exactly() -> None:
     cfg = config_from_dict({"out": 'a\rb\x01"\\\t\n\x7fé', "store": {"root": "'''"}})
     _assert_round_trips(cfg)
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_config_loads_and_says_what_it_sets(path: Path) -> None:
+    """The shipped examples are valid configs, and each sets what its name promises."""
+    from pipeline.config import load_config
+
+    cfg = load_config(path)
+    if "gpu" in path.name:
+        assert cfg.engine.kind == "vllm" and all(d.startswith("cuda:") for d in cfg.engine.devices)
+    if "full_weights" in path.name:
+        assert cfg.trainer.update == "full"
+    assert tomllib.loads(path.read_text())  # plain TOML, readable without the project
