@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import operator
 import os
 import signal
 import sys
@@ -522,7 +523,13 @@ class Pipeline:
                     ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
                     self._token_cache[pid] = ids
             meta = {k: v for k, v in item.items() if k not in ("prompt", "id", "token_ids")}
-            prompt = Prompt(id=pid, text=text, token_ids=tuple(ids), meta=meta)
+            try:
+                # plain ints: numpy ids (a numpy or pandas data set) are refused by vLLM's serialiser
+                ids = tuple(map(operator.index, ids))
+            except TypeError:
+                raise PromptError(f"prompt {pid!r}: token_ids must be integers, got "
+                                  f"{str(list(ids)[:8])[:60]}") from None
+            prompt = Prompt(id=pid, text=text, token_ids=ids, meta=meta)
         if not prompt.token_ids:
             raise PromptError(f"prompt {prompt.id!r} is empty")
         need = len(prompt.token_ids) + self.config.sampling.max_new_tokens

@@ -178,6 +178,20 @@ def test_malformed_prompts_are_refused_one_by_one(tmp_path):
     assert any("'empty' is empty" in r for r in reasons)
 
 
+def test_numpy_token_ids_become_ints_and_fractional_ones_are_refused(tmp_path):
+    """Ids from a numpy or pandas data set reach engines as plain ints (vLLM cannot serialise numpy's)."""
+    prompts = [{"id": f"np{i}", "prompt": "", "token_ids": np.array([1 + i, 2, 3], dtype=np.int64), "label": i}
+               for i in range(8)]
+    prompts.append({"id": "frac", "prompt": "", "token_ids": [1.5, 2.0], "label": 0})
+    p, summary = run(sim_config(tmp_path, steps=4), prompts=prompts)
+    assert summary["steps"] == 4 and summary["prompts_refused"] >= 1
+    prompt = p._to_prompt(prompts[0])
+    assert prompt.token_ids == (1, 2, 3) and all(type(t) is int for t in prompt.token_ids)
+    events = [json.loads(x) for x in (p.run_dir / "events.jsonl").read_text().splitlines()]
+    assert any("'frac': token_ids must be integers" in e.get("reason", "") for e in events
+               if e["event"] == "prompt_refused")
+
+
 def test_a_finite_data_set_trains_every_prompt_once(tmp_path):
     p, summary = run(sim_config(tmp_path, steps=100, B=4, K=2), epochs=1)
     r = assert_accounted(p, summary)
