@@ -126,6 +126,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--trainer-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     g.add_argument("--max-model-len", type=int, default=1024)
+    g.add_argument("--max-num-seqs", type=int, default=None, help="engine.vllm.max_num_seqs (default: the config's)")
     g.add_argument("--enforce-eager", action="store_true", help="no torch.compile/CUDA graphs (faster start)")
     args = p.parse_args(argv)
 
@@ -483,12 +484,15 @@ class VLLMWorkload(ModelWorkload):
                   "engine.vllm.gpu_memory_utilization": a.gpu_memory_utilization,
                   "engine.vllm.max_model_len": a.max_model_len, "engine.vllm.enforce_eager": a.enforce_eager,
                   "engine.vllm.max_lora_rank": a.lora_rank, "engine.vllm.seed": a.seed})
+        if a.max_num_seqs is not None:
+            o["engine.vllm.max_num_seqs"] = a.max_num_seqs
         return o
 
     def settings(self) -> dict[str, Any]:
         a = self.args
         return {**super().settings(), "engine_device": a.engine_device, "gpu_memory_utilization":
                 a.gpu_memory_utilization, "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
+                "max_num_seqs": self.config(0, Path("unused")).engine.vllm.max_num_seqs,
                 "max_loras": getattr(self.engine, "max_loras", None)}
 
     async def prepare(self) -> None:
