@@ -22,12 +22,13 @@ from safetensors.torch import save_file
 
 from pipeline import models
 from pipeline.adapter_store import AdapterStore
-from pipeline.config import SamplingConfig, SimulatedEngineConfig, TransformersEngineConfig
+from pipeline.config import SimulatedEngineConfig, TransformersEngineConfig
 from pipeline.engines.simulated import SimulatedEngine
 from pipeline.engines.transformers import TransformersEngine
 from pipeline.errors import AdapterError, EngineDeadError, GenerationError
 from pipeline.types import AdapterRef, Generation
 from test_engine_transformers import _request  # tests/ is on sys.path
+from test_engine_transformers import _run as run_engine
 
 # Each 2-d weight W gets W.std() * REL_STD * N(0, 1) added: far above float32 noise, so a
 # version's log-probs are told apart from every other's by a wide margin.
@@ -67,17 +68,8 @@ def versions(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 def _run(model_dir: Path, body: Callable[[TransformersEngine], Awaitable[Any]], **kwargs: Any) -> Any:
-    kwargs.setdefault("cfg", TransformersEngineConfig())
-
-    async def main() -> Any:
-        engine = TransformersEngine(model_dir, sampling=SamplingConfig(), full_weights=True, **kwargs)
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.close()
-
-    return asyncio.run(main())
+    """test_engine_transformers' harness, with a full-weight engine."""
+    return run_engine(model_dir, body, full_weights=True, **kwargs)
 
 
 def _dlogprob(model: torch.nn.Module, gen: Generation) -> np.ndarray:

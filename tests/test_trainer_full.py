@@ -20,7 +20,9 @@ from pipeline.errors import AdapterCorruptError, ConfigError, TrainerError
 from pipeline.trainer import FULL_KEEP_VERSIONS, FULL_STATE_FILES, LoRATrainer, SimulatedTrainer
 from pipeline.trainer_process import ProcessTrainer
 from pipeline.types import Batch, RolloutGroup
-from test_trainer import N, _group  # the groups of test_trainer (tests/ is on sys.path)
+# the groups and helpers of test_trainer (tests/ is on sys.path)
+from test_trainer import N, _group, _optimizer_state, _weights
+from test_trainer import _trainer as trainer_of
 
 PROMPT = "Hello there"
 
@@ -36,19 +38,8 @@ def _batch(step: int) -> Batch:
 
 
 def _trainer(model_dir: Path, update: str = "full", keep_versions: int = 3, **cfg: object) -> LoRATrainer:
-    cfg.setdefault("lora_rank", 4)
-    trainer = LoRATrainer(model_dir, TrainerConfig(update=update, **cfg), LossConfig(), keep_versions=keep_versions)
-    trainer.setup()
-    return trainer
-
-
-def _weights(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-
-
-def _optimizer_state(trainer: LoRATrainer) -> dict[str, dict[str, torch.Tensor]]:
-    return {n: {k: v.clone() for k, v in trainer.optimizer.state[p].items()}
-            for n, p in trainer.model.named_parameters()}
+    """test_trainer's trainer, in full-weight mode unless told otherwise."""
+    return trainer_of(model_dir, keep_versions=keep_versions, update=update, **cfg)
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
