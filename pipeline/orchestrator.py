@@ -244,9 +244,10 @@ class Pipeline:
         self.start_step = ck.step if ck else 0
         self.start_version = int(ck.state["version"]) if ck else 0
         self._wall0 = float(ck.state.get("wall_s", 0.0)) if ck else 0.0  # wall time of earlier sessions
-        if ck is not None and ck.state.get("update", "lora") != cfg.trainer.update:
-            raise ConfigError(f"the run in {self.run_dir} was trained with trainer.update = "
-                              f"{ck.state.get('update', 'lora')!r}; it cannot continue with {cfg.trainer.update!r} "
+        trained_with = ck.state.get("update", "lora") if ck is not None else cfg.trainer.update
+        if trained_with != cfg.trainer.update:
+            raise ConfigError(f"the run in {self.run_dir} was trained with trainer.update = {trained_with!r}; "
+                              f"it cannot continue with {cfg.trainer.update!r} "
                               "(its checkpoints and published versions are of the other kind)")
         if self.start_step >= pc.steps:
             raise ConfigError(f"the run in {self.run_dir} is checkpointed at step {self.start_step} and "
@@ -340,21 +341,11 @@ class Pipeline:
     async def _load_on_engines(self, ref: AdapterRef) -> None:
         """Every engine in rotation loads `ref`, each under engine.load_timeout_s; so does an engine
         that comes back into rotation (restarted) while the others load."""
-        timeout = self.config.engine.load_timeout_s
-
-        async def one(e: Engine) -> None:
-            try:
-                async with asyncio.timeout(timeout):
-                    await e.load_adapter(ref)
-            except TimeoutError:
-                raise AdapterError(f"engine {e.name} did not load adapter {ref.path} within "
-                                   f"engine.load_timeout_s = {timeout} s") from None
-
         done: set[tuple[str, int]] = set()  # (engine, epoch): a restarted engine is a new one to load
         while engines := [e for e in self._healthy if (e.name, self._epoch[e.name]) not in done]:
             epochs = [self._epoch[e.name] for e in engines]
             done.update((e.name, ep) for e, ep in zip(engines, epochs))
-            results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+            results = await asyncio.gather(*(self._load_one(e, ref) for e in engines), return_exceptions=True)
             for e, epoch, r in zip(engines, epochs, results):
                 if isinstance(r, EngineDeadError):
                     self._engine_failed(e, r, epoch)  # a dead engine leaves the rotation; the others serve on
@@ -362,6 +353,16 @@ class Pipeline:
                     raise r
         if not self._healthy and not self._restarting:
             raise self._no_engine_error()
+
+    async def _load_one(self, engine: Engine, ref: AdapterRef) -> None:
+        """`engine` loads `ref` under engine.load_timeout_s."""
+        timeout = self.config.engine.load_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await engine.load_adapter(ref)
+        except TimeoutError:
+            raise AdapterError(f"engine {engine.name} did not load adapter {ref.path} within "
+                               f"engine.load_timeout_s = {timeout} s") from None
 
     async def _unload_on_engines(self, ref: AdapterRef, engines: Sequence[Engine]) -> None:
         """Free `ref` on each engine, each under engine.load_timeout_s; a failure costs memory, not the run."""
@@ -722,11 +723,7 @@ class Pipeline:
             for ref in refs:
                 tried.add(ref.name)
                 try:
-                    async with asyncio.timeout(ec.load_timeout_s):
-                        await engine.load_adapter(ref)
-                except TimeoutError:
-                    raise AdapterError(f"engine {engine.name} did not load adapter {ref.path} within "
-                                       f"engine.load_timeout_s = {ec.load_timeout_s} s") from None
+                    await self._load_one(engine, ref)
                 except AdapterError:
                     if ref in self._refs_in_use():
                         raise
@@ -911,15 +908,14 @@ class Pipeline:
     async def _adapter_loop(self) -> None:
         """Consumes published versions; produces the serving version; waits on publishes and engine loads."""
         K = self.config.pipeline.max_staleness
-        served = self.start_version
+        full = self.config.trainer.update == "full"
         while True:
             await self._published.wait()
             self._published.clear()
-            newest = max(self._adapters)
+            newest, served = max(self._adapters), self._served
             if newest <= served:
                 continue
             ref = self._adapters[newest]
-            full = self.config.trainer.update == "full"
             try:
                 # the directory is checked against its manifest before any engine reads it
                 await asyncio.to_thread(self.store.verify_dir, ref.path)
