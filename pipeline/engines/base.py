@@ -66,6 +66,16 @@ class Engine(Protocol):
         ...
 
 
+def same_version(held: AdapterRef | None, asked: AdapterRef) -> bool:
+    """Full-weight mode: whether the weights held (None: none whole) are `asked`'s (number and name)."""
+    return held is not None and held.version == asked.version and held.name == asked.name
+
+
+def held_versions(held: AdapterRef | None) -> tuple[int, ...]:
+    """Full-weight mode's `loaded_versions`: the version held, none for the base model or none whole."""
+    return () if held is None or held.version == 0 else (held.version,)
+
+
 def check_model_dir(adapter: AdapterRef) -> Path:
     """A full-weight version's absolute directory, refused (naming the path) unless it holds a model.
 

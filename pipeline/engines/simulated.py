@@ -19,12 +19,14 @@ it loads, so a test that sees this error has found a group that would straddle t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from pipeline.config import SimulatedEngineConfig
+from pipeline.engines.base import same_version
 from pipeline.errors import EngineDeadError, GenerationError
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
@@ -118,14 +120,8 @@ class SimulatedEngine:
         await asyncio.get_running_loop().create_future()
 
     async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
-        if not self.full_weights:
+        with self._sampling_with(adapter, [request]):
             return await self._generate(request, adapter)
-        self._check_weights(adapter, [request])
-        self._calls += 1
-        try:
-            return await self._generate(request, adapter)
-        finally:
-            self._calls -= 1
 
     async def _generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
         self._check_ready(adapter, 1)
@@ -160,14 +156,8 @@ class SimulatedEngine:
     async def generate_many(self, requests: Sequence[GroupRequest],
                             adapter: AdapterRef) -> list[Generation | Exception]:
         """See `_generate_many`; in full-weight mode only for the version held."""
-        if not self.full_weights:
+        with self._sampling_with(adapter, requests):
             return await self._generate_many(requests, adapter)
-        self._check_weights(adapter, requests)
-        self._calls += 1
-        try:
-            return await self._generate_many(requests, adapter)
-        finally:
-            self._calls -= 1
 
     async def _generate_many(self, requests: Sequence[GroupRequest],
                              adapter: AdapterRef) -> list[Generation | Exception]:
@@ -238,22 +228,31 @@ class SimulatedEngine:
             self._closes += 1
         self._closed = True
 
-    def _check_weights(self, adapter: AdapterRef, requests: Sequence[GroupRequest]) -> None:
-        """Full-weight mode: refuse a call for any version but the one held."""
+    @contextlib.contextmanager
+    def _sampling_with(self, adapter: AdapterRef, requests: Sequence[GroupRequest]) -> Iterator[None]:
+        """Full-weight mode: refuse a call for any version but the one held, and count it while it runs."""
+        if not self.full_weights:
+            yield
+            return
         if self._closed:
             raise EngineDeadError(f"engine {self.name} is closed")
         held = self._weights
-        if adapter.version != held.version or adapter.name != held.name:
+        if not same_version(held, adapter):
             raise GenerationError(f"engine {self.name} holds the full weights of version {held.version} "
                                   f"({held.name}); groups {[r.group_id for r in requests]} asked for version "
                                   f"{adapter.version} ({adapter.name})")
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
 
     def _swap_weights(self, adapter: AdapterRef) -> None:
         """Full-weight mode: hold `adapter`'s version from now on; refused while any call runs."""
         if self._closed:
             raise EngineDeadError(f"engine {self.name} is closed")
         held = self._weights
-        if adapter.version == held.version and adapter.name == held.name:
+        if same_version(held, adapter):
             return
         if self._calls:
             raise GenerationError(f"engine {self.name}: load of version {adapter.version} while {self._calls} "

@@ -56,7 +56,7 @@ from transformers import DynamicCache
 
 from pipeline import models
 from pipeline.config import SamplingConfig, TransformersEngineConfig
-from pipeline.engines.base import check_model_dir
+from pipeline.engines.base import check_model_dir, held_versions, same_version
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
@@ -128,11 +128,6 @@ def check_adapter_dir(adapter: AdapterRef) -> Path:
     if not any(path.glob("*.safetensors")):
         raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} has no safetensors weights")
     return path
-
-
-
-def _same(a: AdapterRef | None, b: AdapterRef) -> bool:
-    return a is not None and a.version == b.version and a.name == b.name
 
 
 class TransformersEngine:
@@ -215,7 +210,7 @@ class TransformersEngine:
     def loaded_versions(self) -> tuple[int, ...]:
         """Adapter versions loaded or being loaded (the base model, version 0, is not listed)."""
         if self.full_weights:
-            return () if self._weights is None or self._weights.version == 0 else (self._weights.version,)
+            return held_versions(self._weights)
         return tuple(sorted(self._loaded))
 
     async def start(self) -> None:
@@ -680,14 +675,14 @@ class TransformersEngine:
 
     async def _await_weights(self, request: GroupRequest, adapter: AdapterRef) -> None:
         """Return once the model holds `adapter`'s weights (waiting for its load if under way); refuse any other."""
-        while self._swap is not None and _same(self._swap[0], adapter):
+        while self._swap is not None and same_version(self._swap[0], adapter):
             try:
                 await self._wait_swap(self._swap[1])
             except AdapterError as e:
                 raise GenerationError(f"engine {self.name}: group {request.group_id} waited for version "
                                       f"{adapter.version}, whose weights did not load: {e}") from e
             self._check_open()
-        if self._swap is not None or not _same(self._weights, adapter):
+        if self._swap is not None or not same_version(self._weights, adapter):
             raise GenerationError(f"engine {self.name} holds the full weights of {self._holding()}; "
                                   f"group {request.group_id} asked for version {adapter.version} ({adapter.name})")
 
@@ -704,13 +699,13 @@ class TransformersEngine:
         """Replace the model's weights with `adapter`'s (the base model's for version 0)."""
         while self._swap is not None:
             target, task = self._swap
-            if _same(target, adapter):
+            if same_version(target, adapter):
                 await self._wait_swap(task)
                 return
             with contextlib.suppress(AdapterError):  # that load's failure went to its own caller
                 await self._wait_swap(task)
             self._check_open()
-        if _same(self._weights, adapter):
+        if same_version(self._weights, adapter):
             return
         path = self.model_path if adapter.version == 0 else check_model_dir(adapter)
         task = asyncio.get_running_loop().create_task(self._swap_job(adapter, path),

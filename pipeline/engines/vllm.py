@@ -77,7 +77,7 @@ import structlog
 
 from pipeline.config import SamplingConfig, VLLMEngineConfig
 from pipeline.devices import ENV_LOCK, visible_devices
-from pipeline.engines.base import check_model_dir
+from pipeline.engines.base import check_model_dir, held_versions, same_version
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
@@ -149,7 +149,6 @@ def physical_gpu(device: str) -> str:
     return entries[index]
 
 
-
 def check_adapter_dir(adapter: AdapterRef, max_lora_rank: int) -> Path:
     """The adapter's absolute directory, refused (naming the path) unless vLLM could load it."""
     if adapter.path is None:
@@ -173,7 +172,6 @@ def check_adapter_dir(adapter: AdapterRef, max_lora_rank: int) -> Path:
         raise AdapterError(f"adapter version {adapter.version} at {str(path)!r} has LoRA rank {rank} but "
                            f"engine.vllm.max_lora_rank = {max_lora_rank}; raise engine.vllm.max_lora_rank")
     return path
-
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
@@ -266,7 +264,7 @@ class VLLMEngine:
     def loaded_versions(self) -> tuple[int, ...]:
         """Versions of the adapters vLLM holds for this engine (base, version 0, not listed)."""
         if self.full_weights:
-            return () if self._weights is None or self._weights.version == 0 else (self._weights.version,)
+            return held_versions(self._weights)
         return tuple(sorted(a.ref.version for a in self._adapters.values() if _loaded_ok(a)))
 
     @property
@@ -604,7 +602,7 @@ class VLLMEngine:
 
     def _check_weights(self, request: GroupRequest, adapter: AdapterRef) -> None:
         held = self._weights
-        if self._swapping is not None or held is None or held.version != adapter.version or held.name != adapter.name:
+        if self._swapping is not None or not same_version(held, adapter):
             now = ("no version (a weight reload failed)" if held is None else f"version {held.version}") + (
                 f", loading version {self._swapping.version}" if self._swapping is not None else "")
             raise GenerationError(f"engine {self.name} holds full weights of {now}; group {request.group_id} "
@@ -613,8 +611,7 @@ class VLLMEngine:
     async def _load_weights(self, adapter: AdapterRef) -> None:
         """Replace the weights with `adapter`'s (its directory, or the base model for version 0)."""
         async with self._swap_lock:
-            held = self._weights
-            if held is not None and held.version == adapter.version and held.name == adapter.name:
+            if same_version(self._weights, adapter):
                 return
             path = self.model_path if adapter.version == 0 else check_model_dir(adapter)
             self._swapping = adapter
