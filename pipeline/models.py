@@ -218,7 +218,7 @@ def _write_model(shape: Shape, out: Path, seed: int) -> None:
     model.config.dtype = shape.dtype
     # Only ids: sampling defaults here would silently become vLLM's defaults ("auto" generation config).
     model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
-    with _quiet_progress():
+    with quiet_progress():
         model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     del model
@@ -227,7 +227,7 @@ def _write_model(shape: Shape, out: Path, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_progress() -> Iterator[None]:
+def quiet_progress() -> Iterator[None]:
     """No transformers progress bars for loading and saving: a tiny model is done before one draws."""
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -254,7 +254,7 @@ def load_causal_lm(path: str | Path, device: str, dtype: str, trust_remote_code:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     # from_pretrained builds on the "meta" device through a process-wide default-device switch,
     # so two threads loading at once (engine and trainer start together) corrupt each other.
-    with _LOAD_LOCK, _quiet_progress():
+    with _LOAD_LOCK, quiet_progress():
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
     return model.to(device).eval()
 

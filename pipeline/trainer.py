@@ -49,7 +49,7 @@ from pipeline.config import LossConfig, TrainerConfig
 from pipeline.durable import fsync_dir, write_synced
 from pipeline.errors import ConfigError, TrainerError
 from pipeline.loss import group_advantages, policy_loss
-from pipeline.models import _quiet_progress, building_modules, load_causal_lm, pack_sequences, token_logprobs
+from pipeline.models import quiet_progress, building_modules, load_causal_lm, pack_sequences, token_logprobs
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
 log = structlog.get_logger(__name__)
@@ -312,7 +312,7 @@ class LoRATrainer:
         if self.full:
             # transformers >= 5 writes only safetensors (it has no safe_serialization switch left);
             # no "Writing model shards" bar in the run's log for every version
-            with _quiet_progress():
+            with quiet_progress():
                 self.model.save_pretrained(str(directory))
         else:
             self.model.save_pretrained(str(directory), safe_serialization=True)
