@@ -43,6 +43,16 @@ VLLM_WARNING_FILTERS = [pytest.mark.filterwarnings(f"ignore::{w}") for w in
                         ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning", "UserWarning")]
 
 
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel and await what a module's engine left running on `loop`, then close it."""
+    leftover = asyncio.all_tasks(loop)
+    for task in leftover:
+        task.cancel()
+    if leftover:
+        loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+    loop.close()
+
+
 def vllm_unavailable() -> str | None:
     """Why the vLLM engine cannot run here, or None."""
     if importlib.util.find_spec("vllm") is None:
@@ -228,12 +238,7 @@ def h(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) 
     finally:
         if harness is not None:
             harness.run(harness.engine.close())
-        leftover = asyncio.all_tasks(loop)
-        for task in leftover:
-            task.cancel()
-        if leftover:
-            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
-        loop.close()
+        close_loop(loop)
 
 
 def needs_weights(h: Harness) -> None:

@@ -25,6 +25,7 @@ from test_engine_contract import (
     VLLM_MEAN_ABS_DLOGPROB,
     VLLM_WARNING_FILTERS,
     abs_dlogprob,
+    close_loop,
     vllm_unavailable,
 )
 
@@ -119,12 +120,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         if engine is not None:
             loop.run_until_complete(engine.close())
-        leftover = asyncio.all_tasks(loop)
-        for task in leftover:
-            task.cancel()
-        if leftover:
-            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
-        loop.close()
+        close_loop(loop)
 
 
 def group(group_id: int, n: int = 4, max_new_tokens: int = 64, prompt_seed: int = 0) -> GroupRequest:

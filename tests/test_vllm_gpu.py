@@ -28,6 +28,7 @@ from test_engine_contract import (
     VLLM_WARNING_FILTERS,
     Recomputer,
     abs_dlogprob,
+    close_loop,
     publish_adapters,
     vllm_unavailable,
 )
@@ -83,12 +84,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
     finally:
         if engine is not None:
             loop.run_until_complete(engine.close())
-        leftover = asyncio.all_tasks(loop)
-        for task in leftover:
-            task.cancel()
-        if leftover:
-            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
-        loop.close()
+        close_loop(loop)
 
 
 def group(group_id: int, n: int, max_new_tokens: int, seed: int | None = None, prompt_seed: int = 0) -> GroupRequest:
