@@ -536,7 +536,8 @@ class VLLMWorkload(ModelWorkload):
         seconds = statistics.median(r["seconds"] for r in runs)
         return {"t_gen_s": seconds * a.batch_groups / G, "t_gen_all_s": [r["seconds"] for r in runs],
                 "gen_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs), "groups": G,
-                "engine_start_s": self.engine_start_s, "standalone_by_depth": by_depth, **tr}
+                "engine_start_s": self.engine_start_s, "graph_batch_max": self.engine.graph_batch_max,
+                "standalone_by_depth": by_depth, **tr}
 
     async def after_run(self) -> None:
         """Unload the finished run's adapters, so every run starts from the base model alone.

@@ -160,6 +160,10 @@ class VLLMEngineConfig:
     enforce_eager: bool = False  # skip torch.compile and CUDA graphs: starts faster, runs slower
     max_model_len: int = 2048  # prompt + completion tokens per sequence
     max_num_seqs: int = 1024  # sequences the scheduler runs at once
+    # the largest batch run as a CUDA graph; larger ones run eagerly, which halved a 0.5B model's
+    # tokens/s beyond 512 sequences (benchmarks/vllm_depth.py). 0 = max_num_seqs (vLLM's own
+    # default would be min(2 x max_num_seqs, 512))
+    max_cudagraph_capture_size: int = 0
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # engine weights
     max_lora_rank: int = 16  # must be >= trainer.lora_rank
     max_loras: int = 0  # adapters resident on the GPU; 0 = max_staleness + 2
@@ -170,6 +174,8 @@ class VLLMEngineConfig:
                self.gpu_memory_utilization)
         _check(self.max_model_len >= 16, "engine.vllm.max_model_len", ">= 16", self.max_model_len)
         _check(self.max_num_seqs >= 1, "engine.vllm.max_num_seqs", ">= 1", self.max_num_seqs)
+        _check(self.max_cudagraph_capture_size >= 0, "engine.vllm.max_cudagraph_capture_size", ">= 0 (0 = max_num_seqs)",
+               self.max_cudagraph_capture_size)
         _check(self.max_lora_rank in (8, 16, 32, 64, 128, 256, 320, 512), "engine.vllm.max_lora_rank",
                "one of 8, 16, 32, 64, 128, 256, 320, 512 (vLLM's choices)", self.max_lora_rank)
         _check(self.max_loras >= 0, "engine.vllm.max_loras", ">= 0", self.max_loras)

@@ -125,6 +125,7 @@ class StandInVLLM:
         self.sim = SimulatedEngine(SimulatedEngineConfig(latency_s=0.002, completion_tokens=sampling.max_new_tokens),
                                    seed=seed, name=name)
         self.name, self.busy, self.max_loras = name, self.sim.busy, max_staleness + 2
+        self.graph_batch_max = 0  # no CUDA graphs in a stand-in
         self.adapters: dict[str, str | None] = {}  # name -> directory
         self.closed = 0
         StandInVLLM.instances.append(self)
@@ -165,6 +166,29 @@ class StandInVLLM:
 
     async def close(self) -> None:
         self.closed += 1
+
+
+def test_vllm_depth_measures_every_setting_and_depth_on_the_adapters(tmp_path: Path, model_cache: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/vllm_depth.py's plumbing with a stand-in engine: one engine per setting, each
+    # closed; the adapters are real peft directories, all loaded; every depth sampled twice
+    depth = load("vllm_depth")
+    StandInVLLM.instances.clear()
+    monkeypatch.setattr(depth, "VLLMEngine", StandInVLLM)
+    args = depth.parse_args(["--settings", "64:0,32:16", "--groups", "2,3", "--group-size", "2", "--max-new-tokens",
+                             "4", "--adapters", "2", "--lora-rank", "8", "--model-shape", "tiny", "--model-cache",
+                             str(model_cache), "--device", "cpu", "--out", str(tmp_path)])
+    depth.common.run_async(depth.main(args))
+    [path] = tmp_path.glob("vllm_depth_tiny_*.json")
+    data = read_json(path)
+    assert list(data["settings"]) == ["64:0", "32:16"] and data["hardware"]["cpu_cores"] >= 1
+    for engine, row in zip(StandInVLLM.instances, data["settings"].values(), strict=True):
+        assert engine.closed == 1 and sorted(engine.adapters) == ["depth-probe-1", "depth-probe-2"]
+        assert all((Path(p) / "adapter_config.json").is_file() for p in engine.adapters.values())
+        for kind in ("base", "adapters"):
+            assert {g: r["tokens"] for g, r in row[kind].items()} == {"2": 2 * 2 * 4, "3": 3 * 2 * 4}
+            assert all(r["tokens_per_s"] > 0 for r in row[kind].values())
+    assert [(r["max_num_seqs"], r["max_cudagraph_capture_size"]) for r in data["settings"].values()] == [(64, 0), (32, 16)]
 
 
 def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_cache: Path,

@@ -246,6 +246,7 @@ class VLLMEngine:
         self._start_lock = asyncio.Lock()
         self._max_model_len = 0
         self._vocab_size = 0
+        self.graph_batch_max = 0
         self._adapters: dict[str, _Adapter] = {}  # AdapterRef.name -> adapter loaded or loading
         self._next_lora_id = 1  # vLLM lora_int_id: > 0, never reused by this engine
         self._running: set[str] = set()  # request ids of generate calls inside vLLM now
@@ -443,6 +444,8 @@ class VLLMEngine:
             max_num_seqs=self.cfg.max_num_seqs,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             enforce_eager=self.cfg.enforce_eager,
+            # every batch the scheduler can form runs as a graph (vLLM alone stops at 512)
+            max_cudagraph_capture_size=self.cfg.max_cudagraph_capture_size or self.cfg.max_num_seqs,
             **({} if self.full_weights else {"enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
                                              "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras}),
             # raw == processed under the on-policy settings; raw is the path measured on our host.
@@ -469,10 +472,13 @@ class VLLMEngine:
         self._loop = asyncio.get_running_loop()
         self._max_model_len = int(self._llm.model_config.max_model_len)
         self._vocab_size = int(self._llm.model_config.get_vocab_size())
+        # the largest batch that runs as a CUDA graph (0: eager); vLLM caps it at its batched tokens
+        self.graph_batch_max = int(self._llm.vllm_config.compilation_config.max_cudagraph_capture_size or 0)
         log.info("engine_started", engine=self.name, model=str(self.model_path), device=self.device,
                  physical_gpu=gpu, seconds=round(time.monotonic() - t0, 2), dtype=self.cfg.dtype,
                  max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, seed=self.seed,
-                 logprobs_mode=args.logprobs_mode, max_model_len=self._max_model_len)
+                 logprobs_mode=args.logprobs_mode, max_model_len=self._max_model_len,
+                 graph_batch_max=self.graph_batch_max)
 
     def _build(self, async_llm: Any, args: Any) -> tuple[Any, str]:
         """The AsyncLLM on the engine's GPU, and that GPU's physical id (in a worker thread)."""

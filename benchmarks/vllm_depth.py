@@ -1,0 +1,141 @@
+"""vLLM alone: tokens/s against the number of groups in flight, for several engine settings.
+
+The pipeline at max_staleness K keeps up to (K + 1) * B groups in flight on an engine; this
+measures what the engine alone does at each of those depths, so a setting (max_num_seqs, the
+largest CUDA-graph batch) can be chosen from figures rather than guessed. Each setting starts its
+own AsyncLLM on one GPU; every depth is sampled twice: all groups on the base model, and the
+groups spread round-robin over `--adapters` random LoRA adapters (the pipeline's case: several
+versions in flight at once).
+
+    python benchmarks/vllm_depth.py --settings 1024:512,1024:0,512:0 --groups 32,64,96,128,160
+
+A setting is `max_num_seqs:max_cudagraph_capture_size` (0 = max_num_seqs, the pipeline's default;
+vLLM's own default is min(2 x max_num_seqs, 512)); the JSON records the largest graph vLLM captured.
+The JSON is rewritten after every setting, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import common  # noqa: E402
+from pipeline import models  # noqa: E402
+from pipeline.config import SamplingConfig, VLLMEngineConfig  # noqa: E402
+from pipeline.engines.vllm import VLLMEngine  # noqa: E402
+from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt  # noqa: E402
+
+
+def random_adapters(model_path: Path, count: int, rank: int, out: Path) -> list[AdapterRef]:
+    """`count` LoRA adapters with random (non-zero) weights on every linear layer, as peft saves them."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    refs = []
+    for k in range(1, count + 1):
+        torch.manual_seed(k)
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                                     init_lora_weights=False, task_type="CAUSAL_LM"))
+        path = out / f"adapter-{k}"
+        peft_model.save_pretrained(path)
+        refs.append(AdapterRef(version=k, name=f"depth-probe-{k}", path=str(path)))
+    return refs
+
+
+async def sample(engine: VLLMEngine, prompts: list[list[int]], adapters: list[AdapterRef], n: int,
+                 max_new_tokens: int) -> dict[str, Any]:
+    """Every prompt as one group, all submitted at once; group i on adapters[i % len(adapters)]."""
+    async def one(i: int, ids: list[int]) -> Generation:
+        req = GroupRequest(group_id=i, prompt=Prompt(id=f"depth-{i}", text="", token_ids=tuple(ids)), n=n,
+                           max_new_tokens=max_new_tokens)
+        return await engine.generate(req, adapters[i % len(adapters)])
+
+    t0 = time.monotonic()
+    gens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    seconds = time.monotonic() - t0
+    tokens = sum(g.num_tokens for g in gens)
+    return {"groups": len(gens), "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds)}
+
+
+async def main(a: argparse.Namespace) -> None:
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_path = models.build_model(a.model_shape, a.model_cache)
+    adapters = random_adapters(model_path, a.adapters, a.lora_rank, out / "adapters") if a.adapters else []
+    rng = np.random.default_rng(a.seed)
+    groups = common.parse_list(a.groups)
+    prompts = [rng.integers(0, 1000, size=a.prompt_tokens).tolist() for _ in range(max(groups))]
+    result: dict[str, Any] = {**common.header("vllm_depth", sys.argv[1:]), "settings": {}, "printed": ""}
+    name = ""
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        result["printed"] += line + "\n"
+    for setting in a.settings.split(","):
+        seqs, capture = (int(x) for x in setting.split(":"))
+        cfg = VLLMEngineConfig(gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
+                               max_num_seqs=seqs, max_cudagraph_capture_size=capture, max_lora_rank=a.lora_rank)
+        engine = VLLMEngine(model_path, sampling=SamplingConfig(), cfg=cfg, device=a.device,
+                            max_staleness=max(a.adapters - 1, 0), name=f"seqs{seqs}-graphs{capture}", seed=a.seed)
+        t0 = time.monotonic()
+        await engine.start()
+        if not name:  # after vLLM's start: reading the GPUs' names initialises CUDA in this process
+            result["hardware"] = common.hardware()
+            name = f"vllm_depth_{a.model_shape}_{common.hardware_tag(result['hardware'])}.json"
+        row: dict[str, Any] = {"max_num_seqs": seqs, "max_cudagraph_capture_size": capture,
+                               "graph_batch_max": engine.graph_batch_max, "start_s": round(time.monotonic() - t0, 1),
+                               "base": {}, "adapters": {}}
+        say(f"{setting}: started in {row['start_s']} s, CUDA graphs up to {engine.graph_batch_max} sequences")
+        try:
+            for ref in adapters:
+                await engine.load_adapter(ref)
+            await sample(engine, prompts[:groups[0]], [AdapterRef.base(), *adapters], a.group_size, a.max_new_tokens)
+            for g in groups:
+                row["base"][g] = await sample(engine, prompts[:g], [AdapterRef.base()], a.group_size, a.max_new_tokens)
+                if adapters:
+                    row["adapters"][g] = await sample(engine, prompts[:g], adapters, a.group_size, a.max_new_tokens)
+                say(f"{setting}: {g} groups ({g * a.group_size} sequences): base {row['base'][g]['tokens_per_s']} tokens/s"
+                    + (f", {len(adapters)} adapters {row['adapters'][g]['tokens_per_s']} tokens/s" if adapters else ""))
+        finally:
+            await engine.close()
+        result["settings"][setting] = row
+        common.write_json(out / name, result)
+    rows = [[f"{s['max_num_seqs']}:{s['max_cudagraph_capture_size']}", g * a.group_size,
+             s["base"][g]["tokens_per_s"], s["adapters"].get(g, {}).get("tokens_per_s")]
+            for s in result["settings"].values() for g in groups]
+    say(common.table(("seqs:graphs", "sequences", "base tok/s", f"{a.adapters} adapters tok/s"), rows))
+    common.write_json(out / name, result)
+    print(f"wrote {out / name}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--settings", default="1024:512,1024:0,512:0",
+                   help="max_num_seqs:max_cudagraph_capture_size,... (0 = max_num_seqs)")
+    p.add_argument("--groups", default="32,64,96,128,160", help="groups in flight, one measurement each")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=24)
+    p.add_argument("--adapters", type=int, default=5, help="random LoRA adapters the groups are spread over (0: none)")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--model-shape", default="qwen2.5-0.5b")
+    p.add_argument("--model-cache", default=".cache/models")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core, which re-imports this file
+    common.run_async(main(parse_args()))
