@@ -104,22 +104,28 @@ def _system_busy_seconds() -> float | None:
 class MachineLoad:
     """How much CPU other processes used while a benchmark ran, in cores (this process excluded).
 
-    Child processes of this one (vLLM's engine core) count as others: what they use is real
-    load on the cores the benchmark shares.
+    The benchmark's own child processes that have exited and been waited for (trainer processes
+    of finished runs) are the benchmark's; a child still running when the figure is read (vLLM's
+    engine core) counts among the others, since its CPU time cannot be read until it exits.
     """
 
     def __init__(self) -> None:
         self.loadavg_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         self.wall0 = time.perf_counter()
-        self.own0 = time.process_time()
+        self.own0 = self._own()
         self.system0 = _system_busy_seconds()
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return time.process_time() + t.children_user + t.children_system
 
     def others_cores(self) -> float | None:
         system = _system_busy_seconds()
         if system is None or self.system0 is None:
             return None
         wall = time.perf_counter() - self.wall0
-        own = time.process_time() - self.own0
+        own = self._own() - self.own0
         return max(0.0, (system - self.system0 - own) / wall) if wall > 0 else None
 
     def record(self) -> dict[str, Any]:

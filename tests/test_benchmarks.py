@@ -49,6 +49,18 @@ def test_every_script_has_help(name: str, capsys: pytest.CaptureFixture[str]) ->
     assert "--quick" in capsys.readouterr().out
 
 
+def test_machine_load_counts_a_finished_child_process_as_the_benchmarks_own() -> None:
+    # a trainer process of a finished run is the benchmark's own work, not "other processes"
+    common = load("common")
+    meter = common.MachineLoad()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 1.0: pass"], check=True)
+    t = __import__("os").times()
+    assert t.children_user + t.children_system >= 0.9  # the child's second was counted as ours
+    others = meter.others_cores()
+    assert others is not None and others < 0.5, others  # before: about 0.9 cores of "other processes"
+
+
 def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Path) -> None:
     tvs = load("throughput_vs_staleness")
     [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0,1", "--out", str(tmp_path)])
