@@ -59,7 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
 from pipeline.adapter_store import AdapterStore  # noqa: E402
-from pipeline.config import RunConfig, load_config  # noqa: E402
+from pipeline.config import RunConfig, load_config, parse_override  # noqa: E402
+from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.metrics import BusyMeter  # noqa: E402
 from pipeline.orchestrator import Pipeline  # noqa: E402
 from pipeline.rollout_log import read_rollouts  # noqa: E402
@@ -103,6 +104,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="trainer.update: publish LoRA adapters (default) or the full weights")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of each standalone measurement")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the JSON and PNG")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run and standalone measurement, as run.py's --set "
+                        "(e.g. trainer.sched_idle=true); repeatable")
     p.add_argument("--keep-runs", metavar="DIR", help="keep every run's directory under DIR (default: deleted)")
     p.add_argument("--quick", action="store_true", help="a short smoke test (under a minute on 2 CPU cores)")
     s = p.add_argument_group("simulated engine and trainer (--engine sim)")
@@ -160,6 +164,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--gen-ratio/--ratios and --train-step-s must be > 0")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    try:
+        args.set_overrides = {".".join(key): value for key, value in map(parse_override, args.set)}
+        load_config(None, args.set_overrides)
+    except ConfigError as e:
+        p.error(f"--set: {e}")
     return args
 
 
@@ -245,7 +254,7 @@ class Workload:
                 "log.progress": False, "log.level": "warning"}
 
     def config(self, K: int, run_dir: Path) -> RunConfig:
-        return load_config(None, self.overrides(K, run_dir))
+        return load_config(None, {**self.overrides(K, run_dir), **self.args.set_overrides})
 
     def settings(self) -> dict[str, Any]:
         return {}
@@ -824,7 +833,8 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
             "settings": {"engine": args.engine, "shape": w.shape, "staleness": args.staleness_list,
                          "steps": args.steps, "warmup_steps": args.warmup_steps, "batch_groups": args.batch_groups,
                          "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                         "repeats": args.repeats, "quick": args.quick, **res.pop("settings_extra")},
+                         "repeats": args.repeats, "quick": args.quick, "set": args.set_overrides,
+                         **res.pop("settings_extra")},
             **res, "table": tbl, "printed": text,
         }
         png = out_dir / f"{name}.png"

@@ -147,6 +147,7 @@ class TransformersEngineConfig:
     max_batch_groups: int = 16  # most groups sampled together in one decoding loop
     max_loaded_adapters: int = 0  # 0 = max_staleness + 1
 
+    sched_idle: bool = False  # on the CPU, run its torch thread under Linux SCHED_IDLE: less loop lag, less throughput (README)
     def __post_init__(self) -> None:
         _check(self.max_batch_groups >= 1, "engine.transformers.max_batch_groups", ">= 1", self.max_batch_groups)
         _check(self.max_loaded_adapters >= 0, "engine.transformers.max_loaded_adapters", ">= 0", self.max_loaded_adapters)
@@ -261,6 +262,7 @@ class TrainerConfig:
     step_s: float = 0.0  # simulated trainer only: seconds per step
     separate_process: bool = True  # train in a child process, so steps never hold the event loop's GIL
     nice: int = 10  # niceness of that process (0-19): when cores are short, the event loop and engines go first
+    sched_idle: bool = False  # on the CPU, run that process under Linux SCHED_IDLE: less loop lag, less throughput (README)
     max_consecutive_skips: int = 3  # this many non-finite steps in a row stop the run (after a checkpoint)
     step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
 
@@ -316,7 +318,7 @@ class PipelineConfig:
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for tasks before giving up
     checkpoint_every: int = 10  # steps between checkpoints (also one at the end and on SIGINT/SIGTERM); 0 = those only
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
-    switch_interval_ms: float = 1.0  # Python's GIL switch interval during a run (0 = leave it): the loop waits less for a worker thread
+    switch_interval_ms: float = 0.25  # Python's GIL switch interval during a run (0 = leave it): the loop waits less for a worker thread
     gc_threshold: int = 100_000  # allocations between young-generation GC passes during a run (0 = leave Python's 700)
 
     def __post_init__(self) -> None:

@@ -52,7 +52,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import LossConfig, TrainerConfig
-from pipeline.devices import ENV_LOCK
+from pipeline.devices import ENV_LOCK, lower_process_priority
 from pipeline.errors import TrainerError
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
@@ -244,12 +244,14 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process stops
+    # Lower priority than the orchestrator: on a machine short of cores (2 on a laptop or CI),
+    # a step that competed as an equal delayed the event loop by a scheduler slice (5-6 ms).
+    # Every thread has it: those imports started and those started later (torch's included).
+    cfg = args[1]
+    lower_process_priority(cfg.nice, idle=cfg.sched_idle and cfg.device == "cpu")
     threading.Thread(target=_exit_with, args=(mp.parent_process().sentinel,), name="trainer-parent-watch",
                      daemon=True).start()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # Lower priority than the orchestrator: on a machine short of cores (2 on a laptop or CI),
-    # a step that competed as an equal delayed the event loop by a scheduler slice (5-6 ms).
-    os.nice(args[1].nice)
     shipper = _log_to_parent(events, floor)
     try:
         if trainer_cls is None:

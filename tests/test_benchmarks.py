@@ -61,6 +61,17 @@ def test_machine_load_counts_a_finished_child_process_as_the_benchmarks_own() ->
     assert others is not None and others < 0.5, others  # before: about 0.9 cores of "other processes"
 
 
+def test_sweep_set_overrides_reach_every_runs_config_and_bad_ones_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tvs = load("throughput_vs_staleness")
+    args = tvs.parse_args(["--set", "pipeline.switch_interval_ms=0.5", "--set", "trainer.sched_idle=true"])
+    cfg = tvs.SimWorkload(args, 1.0).config(2, tmp_path)
+    assert (cfg.pipeline.switch_interval_ms, cfg.trainer.sched_idle, cfg.pipeline.max_staleness) == (0.5, True, 2)
+    with pytest.raises(SystemExit):
+        tvs.parse_args(["--set", "trainer.nice=99"])
+    assert "--set: trainer.nice must be in [0, 19], got 99" in capsys.readouterr().err
+
+
 def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Path) -> None:
     tvs = load("throughput_vs_staleness")
     [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0,1", "--out", str(tmp_path)])

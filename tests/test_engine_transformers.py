@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import threading
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -336,3 +338,18 @@ def test_refusals_and_closed_engine(model_dir: Path) -> None:
     engine = _run(model_dir, body, eos_token_ids=[])
     with pytest.raises(EngineDeadError, match="closed"):
         asyncio.run(engine.generate(_request(3, "late"), AdapterRef.base()))
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("idle", [True, False])
+def test_the_torch_thread_on_the_cpu_is_idle_scheduled_and_the_loop_is_not(model_dir: Path, idle: bool) -> None:
+    # the event loop must take the core at once when it wakes (loop lag), so the CPU-bound thread
+    # beside it is SCHED_IDLE; the loop's own thread keeps the normal policy
+    async def body(engine: TransformersEngine) -> tuple[int, int]:
+        [thread] = [t for t in threading.enumerate() if t.name.startswith(f"{engine.name}-torch")]
+        return os.sched_getscheduler(thread.native_id), os.sched_getscheduler(0)
+
+    torch_policy, loop_policy = _run(model_dir, body, cfg=TransformersEngineConfig(sched_idle=idle))
+    assert torch_policy == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
+    assert loop_policy == os.SCHED_OTHER
+

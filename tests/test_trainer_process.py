@@ -72,6 +72,22 @@ def _scripted(model_path: str = "unused", **cfg: object) -> ProcessTrainer:
     return ProcessTrainer(model_path, TrainerConfig(**cfg), LossConfig(), start_timeout_s=60, trainer_cls=Scripted)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_cpu_trainer_process_is_idle_scheduled_and_niced_in_every_thread(idle: bool) -> None:
+    # on the CPU the child yields a core the moment the parent's event loop wakes
+    trainer = _scripted(nice=7, sched_idle=idle)
+    try:
+        trainer.setup()
+        tids = [int(t) for t in os.listdir(f"/proc/{trainer.pid}/task")]
+        assert len(tids) >= 2  # the main thread and the parent watch, at least
+        assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_IDLE if idle else os.SCHED_OTHER}
+        assert {os.getpriority(os.PRIO_PROCESS, t) for t in tids} == {7}
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the parent is untouched
+    finally:
+        trainer.close()
+
+
 def test_the_real_trainers_events_reach_events_jsonl(tmp_path: Path):
     from pipeline import models
 

@@ -56,6 +56,7 @@ from transformers import DynamicCache
 
 from pipeline import models
 from pipeline.config import SamplingConfig, TransformersEngineConfig
+from pipeline.devices import sched_idle
 from pipeline.engines.base import check_model_dir, held_versions, same_version
 from pipeline.errors import (
     AdapterCorruptError,
@@ -175,7 +176,9 @@ class TransformersEngine:
 
     def _fresh_state(self) -> None:
         """The state of an engine not yet started: set at construction and again by a restart."""
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-torch")
+        background = self.cfg.sched_idle and self.device.type == "cpu"  # computing on cores the event loop needs
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-torch",
+                                            initializer=sched_idle if background else None)
 
         # Event-loop state.
         self._queue: deque[_Pending] = deque()
