@@ -120,12 +120,16 @@ class MachineLoad:
         t = os.times()
         return time.process_time() + t.children_user + t.children_system
 
+    def own_cpu_s(self) -> float:
+        """CPU seconds of this process and its waited-for children since construction."""
+        return self._own() - self.own0
+
     def others_cores(self) -> float | None:
         system = _system_busy_seconds()
         if system is None or self.system0 is None:
             return None
         wall = time.perf_counter() - self.wall0
-        own = self._own() - self.own0
+        own = self.own_cpu_s()
         return max(0.0, (system - self.system0 - own) / wall) if wall > 0 else None
 
     def record(self) -> dict[str, Any]:

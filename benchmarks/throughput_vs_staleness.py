@@ -207,7 +207,8 @@ def time_trainer(trainer: Any, groups: Sequence[RolloutGroup], store_root: Path,
     store = AdapterStore(store_root, kind=update)
     steps, publishes = [], []
     for i in range(repeats + 1):
-        batch = Batch(step=i + 1, version=trainer.version, groups=tuple(groups))
+        # as most of the pipeline's steps: no copy of the old version kept for a log-prob check
+        batch = Batch(step=i + 1, version=trainer.version, groups=tuple(groups), keep_version=False)
         t0 = time.perf_counter()
         stats = trainer.step(batch)
         t1 = time.perf_counter()

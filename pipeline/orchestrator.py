@@ -1034,9 +1034,12 @@ class Pipeline:
             if not sel.groups:
                 log.info("out_of_data", step=step)
                 break
-            batch = Batch(step, version, tuple(sel.groups))
+            # the version this step trains from is worth keeping only if a check within the next
+            # max_staleness steps may meet groups sampled with it (in full mode, a whole model a step)
+            keep = any(self._checks_at(s) for s in range(step + 1, step + pc.max_staleness + 1))
+            batch = Batch(step, version, tuple(sel.groups), keep_version=keep)
             check: dict[str, float] = {}
-            if step == self.start_step + 1 or (pc.logprob_check_every and (step - 1) % pc.logprob_check_every == 0):
+            if self._checks_at(step):
                 check = await self._logprob_check(batch)
             with self.trainer_busy:
                 stats = await self._trainer_call(f"step {step}", self.trainer.step, batch)
@@ -1075,6 +1078,11 @@ class Pipeline:
                 break
         # the end of the run, or a stop request: the state to continue from
         await self._checkpoint(len(self.metrics_rows) and self.metrics_rows[-1]["step"])
+
+    def _checks_at(self, step: int) -> bool:
+        """Whether `step` starts with a log-prob check: the run's first step, then every logprob_check_every."""
+        every = self.config.pipeline.logprob_check_every
+        return step == self.start_step + 1 or bool(every and (step - 1) % every == 0)
 
     def request_stop(self, reason: str = "request") -> None:
         """Stop after the step in progress: checkpoint, record what is in flight, shut down.

@@ -22,7 +22,9 @@ Invariants:
   loader read); tied embeddings stay tied and are written once, as the base model writes them.
 - Log-probs can be recomputed under the last `keep_versions` versions (the current weights plus
   CPU copies of older ones); in full mode a copy is the whole model, so at most the current and
-  the previous version are kept. An older version raises KeyError.
+  the previous version are kept. A step copies the version it trains from only when its batch
+  says so (`Batch.keep_version`: the orchestrator asks when a log-prob check may look back at
+  it). An older version, or one not kept, raises KeyError.
 - Trainer state (`save_state`/`load_state`) is safetensors + JSON only, never pickle: trainable
   weights, AdamW moments keyed by parameter name, RNG state, counters, and the update mode.
   `trainer.json` holds the sha256 of each tensor file, because safetensors checks no data bytes.
@@ -209,7 +211,8 @@ class LoRATrainer:
         else:
             grad_norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
         skipped = not (math.isfinite(loss_total) and math.isfinite(grad_norm))
-        self._keep_current_version()
+        if batch.keep_version:
+            self._keep_current_version()
         if skipped:
             self.skipped_steps += 1
             self.consecutive_skips += 1

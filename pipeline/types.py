@@ -138,6 +138,9 @@ class Batch:
     step: int  # 1-based index of the step that trains this batch
     version: int  # trainer's policy version when the step starts (= step - 1)
     groups: tuple[RolloutGroup, ...]
+    # the trainer keeps `version`'s weights after the step (a CPU copy; in full mode the whole
+    # model), for a later log-prob check of groups sampled with it; False when none will need it
+    keep_version: bool = True
 
     @property
     def staleness(self) -> list[int]:

@@ -87,6 +87,26 @@ def test_max_staleness_one_overlaps_generation_and_training(tmp_path):
     assert overlaps > 0
 
 
+def test_the_trainer_keeps_a_version_only_when_a_check_may_look_back_at_it(tmp_path, monkeypatch):
+    # checks at steps 1, 6 and 11; with K=2 a check at step s may meet groups of versions s-3 and
+    # s-2, which steps s-2 and s-1 train from: only steps 4, 5, 9 and 10 keep their version
+    from pipeline.trainer import SimulatedTrainer
+
+    seen: dict[int, bool] = {}
+    step = SimulatedTrainer.step
+
+    def spy(self, batch):
+        seen[batch.step] = batch.keep_version
+        return step(self, batch)
+
+    monkeypatch.setattr(SimulatedTrainer, "step", spy)
+    p, summary = run(sim_config(tmp_path, K=2, steps=12, **{"pipeline.logprob_check_every": 5}))
+    assert_accounted(p, summary)
+    assert sorted(s for s, keep in seen.items() if keep) == [4, 5, 9, 10] and len(seen) == 12
+    checked = [r["step"] for r in read_jsonl(p.run_dir / "metrics.jsonl") if "check/mean_abs_diff" in r]
+    assert checked == [1, 6, 11]
+
+
 def test_reward_that_raises_fails_its_group_and_the_run_goes_on(tmp_path):
     def flaky(prompts, completions, label, **kw):
         if label[0] % 4 == 0:

@@ -3,6 +3,8 @@ version is a whole model directory, tied embeddings stay tied, state resumes onl
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from pathlib import Path
@@ -200,6 +202,12 @@ def test_recompute_keeps_the_current_and_the_previous_version(model_dir: Path, t
     assert single._snapshots == {} and single.kept_versions() == [1]
     with pytest.raises(KeyError):
         single.recompute_logprobs(groups)
+
+    # a batch no check will look back at: no whole-model copy of the version it trains from
+    trainer.step(dataclasses.replace(_batch(3), keep_version=False))
+    assert trainer.kept_versions() == [3] and trainer._snapshots == {}
+    with pytest.raises(KeyError, match=r"keeps versions \[3\], not \[2\]"):
+        trainer.recompute_logprobs([_group(0, PROMPT, version=2)])
 
 
 # --------------------------------------------------------------------------- state
