@@ -146,8 +146,8 @@ class TransformersEngineConfig:
 
     max_batch_groups: int = 16  # most groups sampled together in one decoding loop
     max_loaded_adapters: int = 0  # 0 = max_staleness + 1
-
     sched_idle: bool = False  # on the CPU, run its torch thread under Linux SCHED_IDLE: less loop lag, less throughput (README)
+
     def __post_init__(self) -> None:
         _check(self.max_batch_groups >= 1, "engine.transformers.max_batch_groups", ">= 1", self.max_batch_groups)
         _check(self.max_loaded_adapters >= 0, "engine.transformers.max_loaded_adapters", ">= 0", self.max_loaded_adapters)

@@ -72,6 +72,9 @@ def lower_process_priority(nice: int, idle: bool) -> None:
     and the threads they start later: niceness at least `nice`, and SCHED_IDLE when `idle`."""
     task = "/proc/self/task"
     for tid in (int(t) for t in os.listdir(task)) if os.path.isdir(task) else (0,):
-        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+        except ProcessLookupError:  # the thread ended since the listing: nothing left to lower
+            continue
         if idle:
             sched_idle(tid)
