@@ -176,7 +176,24 @@ def _log_to_parent(conn: Connection, floor: int) -> _EventShipper:
         logger_factory=_Named,
         cache_logger_on_first_use=False,
     )
+    # What libraries say through stdlib logging (transformers, peft, torch) and Python warnings
+    # takes the same way, instead of the child's stderr, which nobody may be reading.
+    root = logging.getLogger()
+    root.handlers[:] = [_LibraryLogs()]
+    root.setLevel(floor)
+    logging.captureWarnings(True)
     return shipper
+
+
+class _LibraryLogs(logging.Handler):
+    """A stdlib logging record as a structlog event `library_log` (source: the library's logger)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            structlog.get_logger(record.name).log(record.levelno, "library_log", source=record.name,
+                                                  message=record.getMessage(), exc_info=record.exc_info or False)
+        except Exception:  # a record that cannot be formatted: stdlib's own report, never the caller's error
+            self.handleError(record)
 
 
 def _forward_events(conn: Connection, proc: Any) -> None:

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -41,6 +42,9 @@ class Scripted:
 
     def setup(self) -> None:
         log.debug("scripted_debug")
+        # what a library says through stdlib logging and warnings, as transformers and peft do
+        logging.getLogger("transformers.scripted").warning("library says %s", "hello")
+        warnings.warn("scripted deprecation", FutureWarning, stacklevel=1)
         # values that are not JSON: a numpy scalar arrives as a number, a path as its text
         log.info("scripted_ready", value=np.float32(0.5), path=Path("/x"))
 
@@ -139,6 +143,12 @@ def test_debug_events_and_a_step_past_the_timeout_kill_the_child(tmp_path: Path)
     assert ready["value"] == 0.5 and ready["path"] == "/x" and ready["pid"] == pid
     # the step that hung had logged that it started, and that event was delivered
     assert [e["seconds"] for e in _named(events, "scripted_step")] == [0.0, 0.0, 60.0]
+    # a library's stdlib log record and a Python warning reach events.jsonl, not the child's stderr
+    library = {e["source"]: e for e in _named(events, "library_log")}
+    said = library["transformers.scripted"]
+    assert (said["message"], said["level"], said["process"], said["pid"]) == ("library says hello", "warning",
+                                                                              "trainer", pid)
+    assert "FutureWarning: scripted deprecation" in library["py.warnings"]["message"]
 
 
 class _Slow(logging.Handler):
