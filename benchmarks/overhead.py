@@ -139,6 +139,35 @@ async def components(n: int, tokens: int, groups: int, tmp: Path) -> dict[str, A
     return out
 
 
+def step_components(versions: int, tmp: Path) -> dict[str, Any]:
+    """CPU and wall microseconds per training step of the adapter store's work, each alone: publish
+    (the simulated trainer's minimal version: write, hash, manifest, fsyncs, rename), verify_dir
+    (what the adapter loop checks before engines load) and prune (retention)."""
+    from pipeline.adapter_store import AdapterStore
+    from pipeline.trainer import SimulatedTrainer
+
+    store = AdapterStore(tmp / "step-components", keep_last=2)
+    trainer = SimulatedTrainer()
+    spent = {k: [0.0, 0.0] for k in ("publish", "verify", "prune")}
+
+    def timed(what: str, fn: Any, *a: Any) -> Any:
+        clock = common.Clock()
+        result = fn(*a)
+        spent[what][0] += clock.cpu()
+        spent[what][1] += clock.wall()
+        return result
+
+    for v in range(1, versions + 1):
+        trainer.version = v
+        ref = timed("publish", store.publish, v, trainer.save_adapter)
+        timed("verify", store.verify_dir, ref.path)
+        timed("prune", store.prune, v - 1)
+    out: dict[str, Any] = {"versions": versions}
+    for what, (cpu, wall) in spent.items():
+        out[f"{what}_cpu_us"], out[f"{what}_wall_us"] = 1e6 * cpu / versions, 1e6 * wall / versions
+    return out
+
+
 async def measure(args: argparse.Namespace, n: int, B: int, groups: int, reward: Any, run_dir: Path,
                   profile: cProfile.Profile | None = None) -> dict[str, Any]:
     steps = max(args.warmup_steps + 2, -(-groups // B))
@@ -244,6 +273,7 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         out["decomposition_n8"] = {"batch_groups": [b1, b2], "per_step_us": per_step,
                                    "per_group_us": t1 - per_step / b1, "cpu_per_step_us": cpu_step,
                                    "cpu_per_group_us": c1 - cpu_step / b1}
+        out["step_components"] = step_components(200 if not args.quick else 20, tmp)
     if not args.no_profile and 8 in args.sizes:
         prof = cProfile.Profile()
         groups = max(args.groups // 4, B * (args.warmup_steps + 2))
@@ -293,6 +323,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         d = res["decomposition_n8"]
         lines.append(f"n=8 cost model: {d['per_group_us']:.1f} us per group + {d['per_step_us']:.0f} us per step "
                      f"(wall); CPU {d['cpu_per_group_us']:.1f} us per group + {d['cpu_per_step_us']:.0f} us per step")
+        sc = res["step_components"]
+        lines.append("of a step, the adapter store's work alone (us per step, CPU / wall): " + ", ".join(
+            f"{what} {sc[f'{what}_cpu_us']:.0f} / {sc[f'{what}_wall_us']:.0f}" for what in ("publish", "verify", "prune")))
     if "profile_n8" in res:
         prof = res["profile_n8"]
         lines.append(f"profile (n=8, event-loop thread, cProfile-inflated {prof['profiled_us_per_group']:.0f} "

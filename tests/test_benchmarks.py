@@ -262,6 +262,10 @@ def test_overhead_reports_rates_costs_and_a_profile(tmp_path: Path) -> None:
         own = r["cpu_us_per_group"] - c["engine_generate_cpu_us"]
         assert r["cpu_us_per_group_without_engine"] == pytest.approx(own)
         assert c["log_append_cpu_us"] > 0 and c["log_flush_cpu_us"] > 0 and c["reward_async_cpu_us"] > 0
+    sc = data["step_components"]
+    assert sc["versions"] == 20 and all(sc[f"{w}_cpu_us"] > 0 and sc[f"{w}_wall_us"] > 0
+                                        for w in ("publish", "verify", "prune"))
+    assert "of a step, the adapter store's work alone" in data["printed"]
     prof = data["profile_n8"]
     assert prof["top_own_time"] and all("(" in e["function"] for e in prof["top_own_time"])
     assert any(e["function"].startswith("pipeline/") for e in prof["pipeline_cumulative"])
