@@ -23,8 +23,9 @@ Invariants:
   waits in a bounded buffer (_PENDING_LIMIT), and events beyond that are dropped, counted and
   reported by a `trainer_log_events_dropped` warning. What reached the pipe survives the
   child's death (os._exit, SIGKILL), and the parent reads it all before it reports the death;
-  on a stop or a failed start the child waits for its buffer to drain first. Stdlib-logging
-  and warnings output of libraries in the child (transformers, peft) still goes to its stderr.
+  on a stop or a failed start the child waits for its buffer to drain first. What libraries in
+  the child (transformers, peft, torch) say through stdlib logging or Python warnings takes the
+  same way, as `library_log` events.
 - The child ignores SIGINT: a Ctrl-C reaches the whole process group, and the orchestrator,
   not the signal, decides when the trainer stops (it finishes the step and checkpoints first).
   It exits at once when its parent dies, whatever it was doing.
