@@ -17,7 +17,6 @@ The JSON is rewritten after every setting, so a run cut short keeps what it meas
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from benchmarks import common  # noqa: E402
 from pipeline import models  # noqa: E402
 from pipeline.config import SamplingConfig, VLLMEngineConfig  # noqa: E402
 from pipeline.engines.vllm import VLLMEngine  # noqa: E402
-from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt  # noqa: E402
+from pipeline.types import AdapterRef  # noqa: E402
 
 
 def random_adapters(model_path: Path, count: int, rank: int, out: Path) -> list[AdapterRef]:
@@ -51,21 +50,6 @@ def random_adapters(model_path: Path, count: int, rank: int, out: Path) -> list[
     return refs
 
 
-async def sample(engine: VLLMEngine, prompts: list[list[int]], adapters: list[AdapterRef], n: int,
-                 max_new_tokens: int) -> dict[str, Any]:
-    """Every prompt as one group, all submitted at once; group i on adapters[i % len(adapters)]."""
-    async def one(i: int, ids: list[int]) -> Generation:
-        req = GroupRequest(group_id=i, prompt=Prompt(id=f"depth-{i}", text="", token_ids=tuple(ids)), n=n,
-                           max_new_tokens=max_new_tokens)
-        return await engine.generate(req, adapters[i % len(adapters)])
-
-    t0 = time.monotonic()
-    gens = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    seconds = time.monotonic() - t0
-    tokens = sum(g.num_tokens for g in gens)
-    return {"groups": len(gens), "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds)}
-
-
 async def main(a: argparse.Namespace) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,6 +64,10 @@ async def main(a: argparse.Namespace) -> None:
     def say(line: str) -> None:
         print(line, flush=True)
         result["printed"] += line + "\n"
+
+    def sample(engine: VLLMEngine, count: int, on: list[AdapterRef]) -> Any:
+        return engine.standalone_throughput(prompts[:count], a.group_size, a.max_new_tokens, adapters=on)
+
     for setting in a.settings.split(","):
         seqs, capture = (int(x) for x in setting.split(":"))
         cfg = VLLMEngineConfig(gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
@@ -96,15 +84,14 @@ async def main(a: argparse.Namespace) -> None:
                                "base": {}, "adapters": {}}
         say(f"{setting}: started in {row['start_s']} s, CUDA graphs up to {engine.graph_batch_max} sequences")
         try:
-            for ref in adapters:
-                await engine.load_adapter(ref)
-            await sample(engine, prompts[:groups[0]], [AdapterRef.base(), *adapters], a.group_size, a.max_new_tokens)
+            await sample(engine, groups[0], [AdapterRef.base(), *adapters])  # warm-up; loads the adapters
             for g in groups:
-                row["base"][g] = await sample(engine, prompts[:g], [AdapterRef.base()], a.group_size, a.max_new_tokens)
+                row["base"][g] = await sample(engine, g, [])
                 if adapters:
-                    row["adapters"][g] = await sample(engine, prompts[:g], adapters, a.group_size, a.max_new_tokens)
-                say(f"{setting}: {g} groups ({g * a.group_size} sequences): base {row['base'][g]['tokens_per_s']} tokens/s"
-                    + (f", {len(adapters)} adapters {row['adapters'][g]['tokens_per_s']} tokens/s" if adapters else ""))
+                    row["adapters"][g] = await sample(engine, g, adapters)
+                say(f"{setting}: {g} groups ({g * a.group_size} sequences): base {row['base'][g]['tokens_per_s']:.0f} "
+                    f"tokens/s" + (f", {len(adapters)} adapters {row['adapters'][g]['tokens_per_s']:.0f} tokens/s"
+                                   if adapters else ""))
         finally:
             await engine.close()
         result["settings"][setting] = row

@@ -171,15 +171,16 @@ class StandInVLLM:
         await self.load_adapter(adapter)
         return await self.sim.generate(request, adapter)
 
-    async def standalone_throughput(self, prompts, n, max_new_tokens) -> dict:
+    async def standalone_throughput(self, prompts, n, max_new_tokens, adapters=()) -> dict:
         import asyncio
         import time
 
         from pipeline.types import AdapterRef, GroupRequest, Prompt
 
+        on = list(adapters) or [AdapterRef.base()]
         t0 = time.monotonic()
         gens = await asyncio.gather(*(self.generate(GroupRequest(i, Prompt(str(i), "", tuple(p)), n, max_new_tokens),
-                                                    AdapterRef.base()) for i, p in enumerate(prompts)))
+                                                    on[i % len(on)]) for i, p in enumerate(prompts)))
         seconds = time.monotonic() - t0
         tokens = sum(g.num_tokens for g in gens)
         return {"groups": len(gens), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}

@@ -370,19 +370,23 @@ class VLLMEngine:
         log.info("engine_closed", engine=self.name, **vars(self.stats))
 
     async def standalone_throughput(self, prompts: list[list[int]], n: int, max_new_tokens: int,
-                                    adapter: AdapterRef | None = None, concurrency: int | None = None) -> dict:
-        """Sample one group per prompt through this engine, all at once (or `concurrency` at a time).
+                                    adapters: Sequence[AdapterRef] = (), concurrency: int | None = None) -> dict:
+        """Sample one group per prompt through this engine, all at once (or `concurrency` at a time);
+        group i on adapters[i % len(adapters)] (several versions in flight, as in the pipeline), or
+        on the base model when `adapters` is empty.
 
         The engine's standalone limit, measured in the process that runs the pipeline: returns
-        {"groups", "tokens", "seconds", "tokens_per_s"} (load time of `adapter` not included).
+        {"groups", "tokens", "seconds", "tokens_per_s"} (load time of the adapters not included).
         """
-        adapter = adapter or AdapterRef.base()
-        await self.load_adapter(adapter)
+        adapters = list(adapters) or [AdapterRef.base()]
+        for adapter in adapters:
+            await self.load_adapter(adapter)
         slots = asyncio.Semaphore(concurrency) if concurrency else None
 
         async def one(i: int, ids: list[int]) -> Generation:
             req = GroupRequest(group_id=-(i + 1), prompt=Prompt(id=f"throughput-{i}", text="", token_ids=tuple(ids)),
                                n=n, max_new_tokens=max_new_tokens)
+            adapter = adapters[i % len(adapters)]
             if slots is None:
                 return await self.generate(req, adapter)
             async with slots:
