@@ -691,7 +691,7 @@ class Pipeline:
                     continue
                 self._restarts_done[name] += 1
                 log.info("engine_restarted", engine=name, attempt=attempt, seconds=round(time.monotonic() - t0, 3),
-                            versions=versions, engines_in_rotation=[e.name for e in self._healthy])
+                         versions=versions, engines_in_rotation=[e.name for e in self._healthy])
                 return
             log.error("engine_not_restarted", engine=name, reason="restarts_spent", restarts=ec.restarts,
                       restarted=self._restarts_done[name], failed=self._restart_failures[name], error=repr(error))
