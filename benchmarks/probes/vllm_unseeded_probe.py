@@ -1,5 +1,5 @@
 """Do two unseeded vLLM requests for the same prompt sample different tokens? (engine seeded once)"""
-import asyncio, sys
+import asyncio
 import numpy as np
 from pipeline import models
 from pipeline.config import SamplingConfig, VLLMEngineConfig
