@@ -1,26 +1,36 @@
 """Scoring a group: reward functions with TRL's signature, sync or async, checked.
 
 A reward function is `reward(prompts: list[str], completions: list[str], **kwargs) -> list[float]`
-(TRL's convention). For one group, `prompts` repeats the prompt n times; `kwargs` holds
-`completion_ids` (list of token-id lists) and every extra column of the prompt, repeated n
-times. Several functions are combined as a weighted sum.
+(TRL's convention): one value per completion. `prompts[i]` is the prompt of `completions[i]`;
+`kwargs` holds `completion_ids` (list of token-id lists) and every extra column of the prompts,
+one entry per completion. Several functions are combined as a weighted sum.
 
-Invariant: `score_group` returns n finite floats or raises `RewardError` naming the function
-and what was wrong; it never lets a reward function's exception escape as anything else.
+One call scores one group or, through `score_many`, every group of an engine call at once (as
+TRL calls a reward with a whole batch): a group's completions are consecutive, in order. A
+call over several groups that raises or returns the wrong number of values is made again one
+group at a time, so only the groups it fails on fail.
+
+Invariants: `score` returns n finite floats or raises `RewardError` naming the function and
+what was wrong; `score_many` gives each group its rewards or its own RewardError. Neither lets
+a reward function's exception escape as anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import time
+from bisect import bisect_right
+from itertools import chain
 from typing import Any, Callable, Sequence
 
 import numpy as np
+import structlog
 
 from pipeline.errors import RewardError
 from pipeline.types import Prompt
+
+log = structlog.get_logger(__name__)
 
 RewardFn = Callable[..., Any]
 
@@ -54,6 +64,7 @@ class RewardScorer:
         self.inline_max_s = inline_max_s
         self._mean_s = [float("inf")] * len(self.fns)  # running mean duration of each sync function
         self.inline = [False] * len(self.fns)
+        self.batched = [True] * len(self.fns)  # False once a function proved it takes one group per call
 
     def _timed(self, i: int, args: tuple, kwargs: dict) -> Any:
         t = time.perf_counter()
@@ -82,9 +93,55 @@ class RewardScorer:
                          completion_ids: Sequence[list[list[int]]]) -> list[np.ndarray | RewardError]:
         """`score` for several groups: each one's rewards [n] or its RewardError, in order.
 
-        Groups are scored one after another when every function runs inline (a task each would
-        cost more than the call); otherwise concurrently, as separate groups would be.
+        Each function is called once for all the groups together when their prompts have the
+        same extra columns (otherwise, or for one group, once per group). A batched call that
+        raises or returns a wrong count is made again per group, to find the groups it fails
+        on; a non-finite value fails only the group holding it.
         """
+        G = len(prompts)
+        keys = set(prompts[0].meta) if G else set()
+        if G < 2 or not all(self.batched) or any(set(p.meta) != keys for p in prompts):
+            return await self._score_each(prompts, completions, completion_ids)
+        sizes = list(map(len, completions))
+        texts = [p.text for p, n in zip(prompts, sizes) for _ in range(n)]
+        kwargs: dict[str, Any] = {k: [p.meta[k] for p, n in zip(prompts, sizes) for _ in range(n)] for k in keys}
+        kwargs["completion_ids"] = list(chain.from_iterable(completion_ids))
+        flat = list(chain.from_iterable(completions))
+        N = len(flat)
+        ends = np.cumsum(sizes).tolist()
+        bounds = list(zip([0, *ends[:-1]], ends))  # [start, stop) of each group's completions
+        total = np.zeros(N, dtype=np.float64)
+        errors: dict[int, RewardError] = {}
+        for i, w in enumerate(self.weights):
+            try:
+                values = self._check(i, await self._invoke(i, texts, flat, kwargs), N)
+            except RewardError as e:  # which groups? each alone, as `score` would have called it
+                values = np.zeros(N, dtype=np.float64)
+                failed = len(errors)
+                for g, (a, b) in enumerate(bounds):
+                    if g in errors:
+                        continue
+                    one = {k: v[a:b] for k, v in kwargs.items()}
+                    try:
+                        values[a:b] = self._check(i, await self._invoke(i, texts[a:b], flat[a:b], one), b - a)
+                    except RewardError as ge:
+                        errors[g] = ge
+                if len(errors) == failed:  # every group alone was fine: it takes one group at a time
+                    self.batched[i] = False
+                    log.warning("reward_unbatched", function=self.names[i], error=str(e),
+                                hint="it failed on several groups at once but not on any one of them; "
+                                     "from now on it is called once per group")
+            for j in np.flatnonzero(~np.isfinite(values)).tolist():
+                g = bisect_right(ends, j)
+                if g not in errors:
+                    errors[g] = RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({values[j]})")
+            total += w * values
+        return [errors.get(g, total[a:b]) for g, (a, b) in enumerate(bounds)]
+
+    async def _score_each(self, prompts: Sequence[Prompt], completions: Sequence[list[str]],
+                          completion_ids: Sequence[list[list[int]]]) -> list[np.ndarray | RewardError]:
+        """`score` per group: one after another when every function runs inline (a task each
+        would cost more than the call), otherwise concurrently, as separate groups would be."""
         async def one(i: int) -> np.ndarray | RewardError:
             try:
                 return await self.score(prompts[i], completions[i], completion_ids[i])
@@ -103,22 +160,31 @@ class RewardScorer:
         kwargs["completion_ids"] = completion_ids
         total = np.zeros(n, dtype=np.float64)
         for i, w in enumerate(self.weights):
-            name = self.names[i]
-            try:
-                out = await self._call(i, prompts, completions, kwargs)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # a user's reward bug fails this group, not the run
-                raise RewardError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
-            try:
-                values = [float(x) for x in out]
-            except (TypeError, ValueError):
-                raise RewardError(f"reward function {name!r} must return a list of {n} numbers, "
-                                  f"got {str(out)[:80]!r}") from None
-            if len(values) != n:
-                raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} completions")
-            bad = [v for v in values if not math.isfinite(v)]
-            if bad:
-                raise RewardError(f"reward function {name!r} returned a non-finite value ({bad[0]})")
-            total += w * np.asarray(values, dtype=np.float64)
+            values = self._check(i, await self._invoke(i, prompts, completions, kwargs), n)
+            bad = values[~np.isfinite(values)]
+            if bad.size:
+                raise RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({bad[0]})")
+            total += w * values
         return total
+
+    async def _invoke(self, i: int, prompts: list[str], completions: list[str], kwargs: dict) -> Any:
+        """Function i's raw output; RewardError if it raised."""
+        try:
+            return await self._call(i, prompts, completions, kwargs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a user's reward bug fails the groups it scored, not the run
+            raise RewardError(f"reward function {self.names[i]!r} raised {type(e).__name__}: {e}") from e
+
+    def _check(self, i: int, out: Any, n: int) -> np.ndarray:
+        """Function i's output as [n] float64 (finite or not); RewardError if it is not n numbers."""
+        name = self.names[i]
+        try:
+            values = [float(x) for x in out]
+        except (TypeError, ValueError):
+            raise RewardError(f"reward function {name!r} must return a list of {n} numbers, "
+                              f"got {str(out)[:80]!r}") from None
+        if len(values) != n:
+            raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+        return np.asarray(values, dtype=np.float64)
+

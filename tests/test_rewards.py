@@ -211,3 +211,93 @@ def test_scorer_refuses_no_functions_or_mismatched_weights():
         RewardScorer([])
     with pytest.raises(ValueError, match="2 reward functions but 1 weights"):
         RewardScorer([Recorder(), Recorder()], weights=[1.0])
+
+
+# --- several groups at once (score_many: every group of an engine call) ---------------------
+
+P2 = Prompt(id="p1", text="3+3=", token_ids=(5, 6), meta={"answer": "6", "level": 2})
+GROUPS = ([PROMPT, P2, PROMPT], [COMPLETIONS, ["6", "bad"], ["4"]], [COMPLETION_IDS, [[16], [17, 18]], [[10]]])
+
+
+def _score_many(scorer: RewardScorer, groups: Any = GROUPS) -> list[Any]:
+    return asyncio.run(scorer.score_many(*groups))
+
+
+def test_one_call_scores_every_group_with_per_completion_columns():
+    calls: list[dict[str, Any]] = []
+
+    def correct(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        calls.append({"prompts": prompts, "completions": completions, **kwargs})
+        return [1.0 if c == a else 0.0 for c, a in zip(completions, kwargs["answer"])]
+
+    scorer = _scorer([correct, Recorder()], weights=[2.0, 1.0])
+    out = _score_many(scorer)
+    assert len(calls) == 1  # one call for the three groups (the recorder too: it saw 7 completions once)
+    assert calls[0] == {"prompts": ["2+2="] * 4 + ["3+3="] * 2 + ["2+2="],
+                        "completions": COMPLETIONS + ["6", "bad", "4"],
+                        "answer": ["4"] * 4 + ["6"] * 2 + ["4"], "level": [1] * 4 + [2] * 2 + [1],
+                        "completion_ids": COMPLETION_IDS + [[16], [17, 18], [10]]}
+    # the same rewards as scoring each group alone
+    alone = [asyncio.run(_scorer([correct, Recorder()], weights=[2.0, 1.0]).score(p, c, i)) for p, c, i in zip(*GROUPS)]
+    assert len(out) == 3
+    for got, want in zip(out, alone):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(out[1], [3.0, 3.0])
+
+
+def test_a_reward_that_raises_on_one_group_fails_only_that_group():
+    calls: list[int] = []
+
+    def picky(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        calls.append(len(completions))
+        if "bad" in completions:
+            raise ValueError("cannot parse 'bad'")
+        return [1.0] * len(completions)
+
+    scorer = _scorer(picky)
+    out = _score_many(scorer)
+    assert calls == [7, 4, 2, 1]  # the batched call, then each group alone to find the bad one
+    assert isinstance(out[1], RewardError) and "'picky' raised ValueError: cannot parse 'bad'" in str(out[1])
+    np.testing.assert_array_equal(out[0], [1.0] * 4)
+    np.testing.assert_array_equal(out[2], [1.0])
+    assert scorer.batched == [True]  # the failure was the group's own: later calls stay batched
+
+
+def test_a_non_finite_value_fails_only_its_group():
+    def nan_for_bad(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        return [float("nan") if c == "bad" else 0.5 for c in completions]
+
+    out = _score_many(_scorer([nan_for_bad, Recorder()]))
+    assert isinstance(out[1], RewardError) and "'nan_for_bad' returned a non-finite value (nan)" in str(out[1])
+    np.testing.assert_array_equal(out[0], [1.5, 1.5, 4.5, 0.5])
+    np.testing.assert_array_equal(out[2], [1.5])
+
+
+def test_a_reward_that_takes_only_one_group_is_called_per_group_from_then_on():
+    calls: list[int] = []
+
+    def one_prompt_only(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        calls.append(len(completions))
+        assert len(set(prompts)) == 1, "expects one prompt per call"
+        return [float(len(c)) for c in completions]
+
+    scorer = _scorer(one_prompt_only)
+    first = _score_many(scorer)
+    assert calls == [7, 4, 2, 1] and scorer.batched == [False]
+    assert [r.tolist() for r in first] == [[1.0, 1.0, 4.0, 0.0], [1.0, 3.0], [1.0]]
+    second = _score_many(scorer)
+    assert calls[4:] == [4, 2, 1]  # no batched attempt any more
+    assert [r.tolist() for r in second] == [r.tolist() for r in first]
+
+
+def test_groups_with_different_prompt_columns_are_scored_one_by_one():
+    calls: list[list[str]] = []
+
+    def rec(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        calls.append(sorted(kwargs))
+        return [0.0] * len(completions)
+
+    other = Prompt(id="p9", text="x", token_ids=(1,), meta={"answer": "y"})  # no "level"
+    out = _score_many(_scorer(rec), ([PROMPT, other], [["a"], ["b", "c"]], [[[1]], [[2], [3]]]))
+    assert [len(r) for r in out] == [1, 2]
+    assert calls == [["answer", "completion_ids", "level"], ["answer", "completion_ids"]]
