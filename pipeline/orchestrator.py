@@ -232,7 +232,9 @@ class Pipeline:
             items, reward = self._user_prompts, self._user_reward
         self.source = PromptSource(items, seed=cfg.seed, epochs=self._epochs, shuffle=True)
         self.scorer = RewardScorer(reward, self._reward_weights)
-        self._token_cache: dict[str, tuple[int, ...]] = {}
+        # id(item) -> (item, its Prompt): each item is converted (and tokenized) once, not every
+        # time the stream draws it; the item is kept beside it so a reused id cannot match
+        self._prompts: dict[int, tuple[Any, Prompt]] = {}
 
         # storage, and where a resumed run starts from
         pc = cfg.pipeline
@@ -517,12 +519,9 @@ class Pipeline:
             pid = str(item.get("id", text))
             ids = item.get("token_ids")
             if ids is None:
-                ids = self._token_cache.get(pid)
-                if ids is None:
-                    if self.tokenizer is None:
-                        raise PromptError(f"prompt {pid!r} has no token_ids and the pipeline has no tokenizer")
-                    ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-                    self._token_cache[pid] = ids
+                if self.tokenizer is None:
+                    raise PromptError(f"prompt {pid!r} has no token_ids and the pipeline has no tokenizer")
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             meta = {k: v for k, v in item.items() if k not in ("prompt", "id", "token_ids")}
             try:
                 # plain ints: numpy ids (a numpy or pandas data set) are refused by vLLM's serialiser
@@ -579,12 +578,18 @@ class Pipeline:
 
     def _prompt_or_refuse(self, gid: int) -> Prompt | None:
         """Item `gid` of the stream as a Prompt; a malformed one is refused (settled), not the run."""
+        item = self.source.item_at(gid)
+        hit = self._prompts.get(id(item))
+        if hit is not None and hit[0] is item:
+            return hit[1]
         try:
-            return self._to_prompt(self.source.item_at(gid))
+            prompt = self._to_prompt(item)
         except PromptError as e:
             self.ledger.settle(gid, "refused", "malformed")
             log.warning("prompt_refused", group_id=gid, reason=str(e))
             return None
+        self._prompts[id(item)] = (item, prompt)
+        return prompt
 
     def _start(self, adm: Admission, prompt: Prompt) -> tuple[Admission, GroupRequest]:
         """An admitted group is in flight: its request, and its entry among the live groups."""

@@ -212,6 +212,36 @@ def test_numpy_token_ids_become_ints_and_fractional_ones_are_refused(tmp_path):
                if e["event"] == "prompt_refused")
 
 
+class CountingTokenizer:
+    """Text to ids (one per character) and back, counting how often each text is tokenized."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        self.calls[text] = self.calls.get(text, 0) + 1
+        return {"input_ids": [1 + ord(c) % 50 for c in text]}
+
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return ["x" * len(x) for x in ids]
+
+
+def test_each_item_becomes_a_prompt_once_however_often_the_stream_draws_it(tmp_path):
+    items = [{"id": f"t{i}", "prompt": f"text {i}", "label": i} for i in range(4)]
+    tok = CountingTokenizer()
+    p = Pipeline(sim_config(tmp_path, steps=12, B=2), prompts=items, reward=length_reward, tokenizer=tok,
+                 console=False)
+    converted: list[str] = []
+    to_prompt = p._to_prompt
+    p._to_prompt = lambda item: converted.append(item["id"]) or to_prompt(item)
+    summary = p.run_sync()
+    assert summary["steps"] == 12 and summary["groups_started"] >= 24  # six passes over the four items
+    assert sorted(converted) == ["t0", "t1", "t2", "t3"]
+    assert tok.calls == {f"text {i}": 1 for i in range(4)}
+    r = read_rollouts(p.run_dir / "rollouts.zarr")
+    assert sorted(set(r.groups["prompt_id"].tolist())) == ["t0", "t1", "t2", "t3"]
+
+
 def test_a_finite_data_set_trains_every_prompt_once(tmp_path):
     p, summary = run(sim_config(tmp_path, steps=100, B=4, K=2), epochs=1)
     r = assert_accounted(p, summary)
