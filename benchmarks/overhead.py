@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py               # group sizes 1, 8, 64 on one core
     python benchmarks/overhead.py --cpus 0      # on every core the process may use
+    python benchmarks/overhead.py --dir /dev/shm   # run directories in memory (tmpfs)
 
 The simulated engine answers at once (latency 0, no concurrency cap) and the simulated trainer
 returns at once, so what is left is the pipeline itself: admission, one engine call per batch
@@ -22,6 +23,10 @@ How the figures are measured:
   orchestration: it is subtracted to give the pipeline's share), the reward call as the
   pipeline makes it (RewardScorer, sync in a worker thread and async), and the rollout log's
   append (on the event loop) and flush (in a worker thread).
+- The run directories (adapter versions, rollout log, metrics) go under --dir, the system's
+  temporary directory by default. Each step publishes a version (a directory, three files,
+  five fsyncs) and prunes an old one, so the filesystem sets much of the per-step cost; the
+  result names its type (a file name ends in _tmpfs when it is not the default ext4 or xfs...).
 - A last run of n=8 under cProfile (event-loop thread only, wall clock: time spent waiting for
   the GIL while worker threads run is charged to whatever the loop was doing) gives where the
   time goes; the profiler inflates times, so read them as shares.
@@ -76,6 +81,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cpus", type=int, default=1, help="pin to this many cores first (0 = leave as is)")
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
     p.add_argument("--profile-top", type=int, default=25, help="functions kept in the profile summary")
+    p.add_argument("--dir", default=None, help="where the runs write (default: the system's temporary directory)")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     p.add_argument("--quick", action="store_true", help="a short smoke test (under a minute on 2 CPU cores)")
     args = p.parse_args(argv)
@@ -290,13 +296,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     load = common.MachineLoad()
     before = pin(args.cpus)
     try:
-        with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="overhead-", dir=args.dir) as tmp:
+            fs = common.filesystem(tmp)
             res = common.run_async(main_async(args, Path(tmp)))
     finally:
         if before is not None:
             os.sched_setaffinity(0, set(before))
     hw = common.hardware()
     hw["pinned_cpus"] = args.cpus or None
+    hw["run_filesystem"] = fs
     machine_load = load.record()
     note = common.load_note(machine_load, hw["cpu_affinity"])
     rows = [[r["group_size"], r["batch_groups"], r["reward"], r["groups_per_s"], r["us_per_group_wall"],
@@ -311,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
           c["log_append_cpu_us"], c["log_flush_cpu_us"]] for c in res["components"]])
     cores = f"{args.cpus} core{'s' if args.cpus > 1 else ''}" if args.cpus else f"{hw['cpu_affinity']} cores"
     lines = [f"orchestration overhead -- simulated engine (latency 0) and trainer (0 s), K={args.max_staleness}, "
-             f"{args.completion_tokens} tokens per completion | {common.hardware_tag(hw)}, {cores}", tbl,
+             f"{args.completion_tokens} tokens per completion | {common.hardware_tag(hw)}, {cores}, runs on {fs}", tbl,
              "components alone, CPU us per group (the engine's own work is not orchestration):", ctbl]
     n8 = next((r for r in res["results"] if r["group_size"] == 8), None)
     if n8 is not None:
@@ -340,11 +348,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lines.append(f"note: {note}")
     text = "\n".join(lines)
     print(text, flush=True)
-    name = f"{BENCHMARK}_{common.hardware_tag(hw)}-pin{args.cpus}{'_quick' if args.quick else ''}"
+    on = "" if fs in ("ext4", "xfs", "btrfs", "unknown") else f"_{fs}"  # a disk, or say which not
+    name = f"{BENCHMARK}_{common.hardware_tag(hw)}-pin{args.cpus}{on}{'_quick' if args.quick else ''}"
     record = {**common.header(BENCHMARK, argv), "hardware": hw, "machine_load": machine_load, "load_note": note,
               "settings": {k: getattr(args, k) for k in ("sizes", "groups", "batch_groups", "max_staleness",
                                                          "completion_tokens", "warmup_steps", "checkpoint_every", "cpus",
-                                                         "quick")},
+                                                         "dir", "quick")},
               **res, "table": tbl, "components_table": ctbl, "printed": text}
     out = Path(args.out)
     record["files"] = {"json": str(out / f"{name}.json")}

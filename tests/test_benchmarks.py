@@ -246,11 +246,24 @@ def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_
         assert f"max_staleness={r['max_staleness']}: generation inside the pipeline keeps" in data["printed"]
 
 
+@pytest.mark.skipif(not Path("/proc/self/mounts").exists(), reason="reads Linux's mount table")
+def test_filesystem_names_the_mount_holding_a_path(tmp_path: Path) -> None:
+    common = load("common")
+    assert common.filesystem("/proc/self") == "proc"
+    assert common.filesystem(tmp_path) == common.filesystem(tmp_path / "not" / "there")
+    assert common.filesystem(tmp_path) not in ("unknown", "proc")
+
+
 def test_overhead_reports_rates_costs_and_a_profile(tmp_path: Path) -> None:
     ov = load("overhead")
+    runs = tmp_path / "runs"
+    runs.mkdir()
     rec = ov.main(["--quick", "--cpus", "0", "--group-sizes", "1,8", "--groups", "640", "--batch-groups", "32",
-                   "--out", str(tmp_path)])
+                   "--out", str(tmp_path), "--dir", str(runs)])
     data = read_json(rec["files"]["json"])
+    fs = load("common").filesystem(runs)
+    assert data["hardware"]["run_filesystem"] == fs and f"runs on {fs}" in data["printed"]
+    assert data["settings"]["dir"] == str(runs) and list(runs.iterdir()) == []  # nothing left behind
     assert [r["group_size"] for r in data["results"]] == [1, 8]
     for r in data["results"] + data["variants"]:
         assert r["groups_per_s"] > 0 and r["cpu_us_per_group"] > 0
