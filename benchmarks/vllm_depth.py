@@ -17,7 +17,9 @@ The JSON is rewritten after every setting, so a run cut short keeps what it meas
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -51,10 +53,20 @@ def random_adapters(model_path: Path, count: int, rank: int, out: Path) -> list[
 
 
 async def main(a: argparse.Namespace) -> None:
+    model_path = models.build_model(a.model_shape, a.model_cache)
+    # scratch weights, not results: beside the model, not in --out (the results directory by default)
+    scratch = Path(tempfile.mkdtemp(prefix="depth-adapters-", dir=a.model_cache))
+    try:
+        adapters = random_adapters(model_path, a.adapters, a.lora_rank, scratch) if a.adapters else []
+        await measure(a, model_path, adapters)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def measure(a: argparse.Namespace, model_path: Path, adapters: list[AdapterRef]) -> None:
+    """Every setting at every depth; writes the JSON after each setting."""
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_path = models.build_model(a.model_shape, a.model_cache)
-    adapters = random_adapters(model_path, a.adapters, a.lora_rank, out / "adapters") if a.adapters else []
     rng = np.random.default_rng(a.seed)
     groups = common.parse_list(a.groups)
     prompts = [rng.integers(0, 1000, size=a.prompt_tokens).tolist() for _ in range(max(groups))]

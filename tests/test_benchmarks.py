@@ -162,6 +162,8 @@ class StandInVLLM:
             return
         if self.adapters.get(adapter.name, adapter.path) != adapter.path:  # VLLMEngine refuses this too
             raise ValueError(f"adapter name {adapter.name} loaded from another directory")
+        if not (Path(adapter.path) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no adapter_config.json in {adapter.path}")
         self.adapters[adapter.name] = adapter.path
 
     async def unload_adapter(self, adapter) -> None:
@@ -201,11 +203,13 @@ def test_vllm_depth_measures_every_setting_and_depth_on_the_adapters(tmp_path: P
                              str(model_cache), "--device", "cpu", "--out", str(tmp_path)])
     depth.common.run_async(depth.main(args))
     [path] = tmp_path.glob("vllm_depth_tiny_*.json")
+    assert sorted(x.name for x in tmp_path.iterdir()) == [path.name]  # results only: no adapters in --out
     data = read_json(path)
     assert list(data["settings"]) == ["64:0", "32:16"] and data["hardware"]["cpu_cores"] >= 1
     for engine, row in zip(StandInVLLM.instances, data["settings"].values(), strict=True):
         assert engine.closed == 1 and sorted(engine.adapters) == ["depth-probe-1", "depth-probe-2"]
-        assert all((Path(p) / "adapter_config.json").is_file() for p in engine.adapters.values())
+        # loaded from real directories (the stand-in checks), scratch beside the model, removed at the end
+        assert all(Path(p).is_relative_to(model_cache) and not Path(p).exists() for p in engine.adapters.values())
         for kind in ("base", "adapters"):
             assert {g: r["tokens"] for g, r in row[kind].items()} == {"2": 2 * 2 * 4, "3": 3 * 2 * 4}
             assert all(r["tokens_per_s"] > 0 for r in row[kind].values())
