@@ -417,7 +417,7 @@ class Pipeline:
     def _build_engines(self) -> list[Engine]:
         cfg = self.config
         K = cfg.pipeline.max_staleness
-        full = cfg.trainer.update == "full"
+        full = self._full_weights
         offset = 1009 * self.start_step  # a resumed run samples afresh, not the first session's draws
         engines: list[Engine] = []
         for i, dev in enumerate(cfg.engine.devices):
@@ -913,7 +913,7 @@ class Pipeline:
     async def _adapter_loop(self) -> None:
         """Consumes published versions; produces the serving version; waits on publishes and engine loads."""
         K = self.config.pipeline.max_staleness
-        full = self.config.trainer.update == "full"
+        full = self._full_weights
         while True:
             await self._published.wait()
             self._published.clear()
@@ -1084,6 +1084,11 @@ class Pipeline:
         # the end of the run, or a stop request: the state to continue from
         await self._checkpoint(len(self.metrics_rows) and self.metrics_rows[-1]["step"])
 
+    @property
+    def _full_weights(self) -> bool:
+        """Versions are whole models (trainer.update = "full"): engines drain before loading one."""
+        return self.config.trainer.update == "full"
+
     def _checks_at(self, step: int) -> bool:
         """Whether `step` starts with a log-prob check: the run's first step, then every logprob_check_every."""
         every = self.config.pipeline.logprob_check_every
@@ -1173,7 +1178,7 @@ class Pipeline:
             "busy/trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
             "loop/lag_p99_ms": self.lag.percentile_ms(99, last=2000),
         }
-        if self.config.trainer.update == "full":  # how long admission waited for the drain before the load
+        if self._full_weights:  # how long admission waited for the drain before the load
             row["adapter/drain_s"] = self.drain_s.get(ref.version - 1, float("nan"))
         row.update(train)
         row.update(check)
