@@ -9,6 +9,7 @@ so groups must wait for it rather than fail, and the accounting must stay exact.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
 import threading
@@ -316,3 +317,85 @@ def test_vllm_engine_start_after_close_builds_a_new_asyncllm(tmp_path: Path, mon
 
     asyncio.run(main())
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"  # narrowed only while each AsyncLLM was built
+
+
+class StrictEngine(SimulatedEngine):
+    """A simulated engine that samples only versions loaded since its last start, like a real one.
+
+    "simulated-0" dies after DIE_AFTER groups each time it starts. On "simulated-1", the first load
+    of a version published after engine 0 died waits until engine 0 has started again: the
+    restarted engine rejoins while the others are loading a version, which the version it was
+    given on rejoining does not include.
+    """
+
+    DIE_AFTER = 6
+    violations: list[str] = []
+    engine0_back: asyncio.Event | None = None
+    gated: dict[str, object] = {}
+
+    def __init__(self, cfg, **kw) -> None:
+        if kw["name"] == "simulated-0":
+            cfg = dataclasses.replace(cfg, die_after=self.DIE_AFTER)
+        super().__init__(cfg, **kw)
+        self.loaded: set[int] = {0}  # versions loaded since the last start
+        self.loads: list[tuple[int, int]] = []  # (start count, version) of every load
+
+    async def start(self) -> None:
+        await super().start()
+        self.loaded = {0}
+        if self.name == "simulated-0" and self._restarts and StrictEngine.engine0_back is not None:
+            StrictEngine.engine0_back.set()
+
+    async def load_adapter(self, adapter) -> None:
+        if self.name == "simulated-1" and "version" not in StrictEngine.gated and self.died_engine0():
+            StrictEngine.gated["version"] = adapter.version
+            StrictEngine.engine0_back = asyncio.Event()
+            await asyncio.wait_for(StrictEngine.engine0_back.wait(), timeout=10)
+        await super().load_adapter(adapter)
+        self.loaded.add(adapter.version)
+        self.loads.append((self._restarts, adapter.version))
+
+    @staticmethod
+    def died_engine0() -> bool:
+        return StrictEngine.gated.get("engine0") is not None and StrictEngine.gated["engine0"]._closed
+
+    async def generate_many(self, requests, adapter):
+        if adapter.version not in self.loaded and not self._closed:
+            StrictEngine.violations.append(f"{self.name} asked for version {adapter.version}, loaded {sorted(self.loaded)}")
+        return await super().generate_many(requests, adapter)
+
+    async def generate(self, request, adapter):
+        if adapter.version not in self.loaded and not self._closed:
+            StrictEngine.violations.append(f"{self.name} asked for version {adapter.version}, loaded {sorted(self.loaded)}")
+        return await super().generate(request, adapter)
+
+
+def test_an_engine_that_rejoins_while_a_version_loads_gets_that_version_too(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline.engines.simulated
+
+    StrictEngine.violations, StrictEngine.gated, StrictEngine.engine0_back = [], {}, None
+    built: list[StrictEngine] = []
+
+    def build(cfg, **kw):
+        e = StrictEngine(cfg, **kw)
+        built.append(e)
+        if kw["name"] == "simulated-0":
+            StrictEngine.gated["engine0"] = e
+        return e
+
+    monkeypatch.setattr(pipeline.engines.simulated, "SimulatedEngine", build)
+    cfg = sim_config(tmp_path, **{**RESTARTS, "pipeline.steps": 12, "engine.devices": ["cpu", "cpu"]})
+    p = Pipeline(cfg, prompts=PROMPTS, reward=reward, tokenizer=False, console=False)
+    s = p.run_sync()
+    assert s["error"] is None and s["steps"] == 12
+    assert_accounted(p, s)
+    e0, e1 = built
+    gated = StrictEngine.gated.get("version")
+    # the interleaving happened: engine 1's load of `gated` waited for engine 0 to start again
+    assert gated is not None and StrictEngine.engine0_back is not None and StrictEngine.engine0_back.is_set()
+    assert s["engine_restarts"].get("simulated-0", 0) >= 1
+    # engine 0 loaded `gated` after that restart (from _load_on_engines, not its rejoin list), and
+    # no engine was ever asked to sample a version it had not loaded since its last start
+    assert (1, gated) in e0.loads
+    assert StrictEngine.violations == []
