@@ -137,6 +137,7 @@ def test_max_staleness_zero_is_synchronous():
 def test_failures_give_their_slot_back():
     buf = RolloutBuffer(batch_groups=2, max_staleness=0)
     a, b = buf.try_admit(), buf.try_admit()
+    assert b is not None and buf.try_admit() is None  # both slots taken
     buf.fail_nowait(a.group_id, "reward_error")
     c = buf.try_admit()
     assert c is not None
