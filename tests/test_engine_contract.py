@@ -14,7 +14,7 @@ import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 import pytest
@@ -62,6 +62,50 @@ def vllm_unavailable() -> str | None:
     if not torch.cuda.is_available():
         return "vLLM needs a CUDA GPU and none is available"
     return None
+
+
+@dataclass
+class VLLMEnv:
+    """A GPU module's one started vLLM engine (the "small" model on cuda:0) and the loop it lives on."""
+
+    loop: asyncio.AbstractEventLoop
+    engine: Any  # pipeline.engines.vllm.VLLMEngine
+    model_path: Path
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+
+E = TypeVar("E", bound=VLLMEnv)
+
+
+def vllm_env(tmp_path_factory: pytest.TempPathFactory, basename: str, cfg: VLLMEngineConfig, name: str,
+             make: Callable[[asyncio.AbstractEventLoop, Any, Path, Path], E], **engine_kw: Any) -> Iterator[E]:
+    """Body of a vLLM GPU module's `env` fixture: skip without CUDA or vLLM; else build the "small"
+    model in a fresh temporary directory `basename`, start a VLLMEngine on it (cuda:0, max_staleness 1)
+    on a new event loop, yield make(loop, engine, model_path, tmp), then close the engine and the loop.
+
+    `make` publishes the module's versions and builds its recomputer; it runs once the engine has
+    started (the GPU already holds the engine's share) and inside the try, so a failure in it still
+    closes the engine."""
+    if reason := vllm_unavailable():
+        pytest.skip(reason)
+    from pipeline.engines.vllm import VLLMEngine
+    from pipeline.models import build_model
+
+    tmp = tmp_path_factory.mktemp(basename)
+    loop = asyncio.new_event_loop()
+    engine = None
+    try:
+        model_path = build_model("small", tmp / "models")
+        engine = VLLMEngine(model_path, sampling=SamplingConfig(), cfg=cfg, device="cuda:0",
+                            max_staleness=1, name=name, **engine_kw)
+        loop.run_until_complete(engine.start())
+        yield make(loop, engine, model_path, tmp)
+    finally:
+        if engine is not None:
+            loop.run_until_complete(engine.close())
+        close_loop(loop)
 
 
 # --------------------------------------------------------------------------- adapters and recomputation

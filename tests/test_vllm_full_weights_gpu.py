@@ -24,13 +24,13 @@ from test_engine_contract import (
     VERSION_SEPARATION,
     VLLM_MEAN_ABS_DLOGPROB,
     VLLM_WARNING_FILTERS,
+    VLLMEnv,
     abs_dlogprob,
-    close_loop,
-    vllm_unavailable,
+    vllm_env,
 )
 
 from pipeline.adapter_store import AdapterStore
-from pipeline.config import SamplingConfig, VLLMEngineConfig
+from pipeline.config import VLLMEngineConfig
 from pipeline.errors import AdapterCorruptError, GenerationError
 from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt
 
@@ -88,39 +88,19 @@ class FullRecomputer:
 
 
 @dataclass
-class Env:
-    loop: asyncio.AbstractEventLoop
-    engine: Any  # pipeline.engines.vllm.VLLMEngine in full-weight mode
-    model_path: Path
+class Env(VLLMEnv):  # its engine is in full-weight mode
     refs: dict[int, AdapterRef]
     recompute: FullRecomputer
     root: Path
 
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(coro)
-
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    if reason := vllm_unavailable():
-        pytest.skip(reason)
-    from pipeline.engines.vllm import VLLMEngine
-    from pipeline.models import build_model
-
-    tmp = tmp_path_factory.mktemp("vllm-full")
-    loop = asyncio.new_event_loop()
-    engine = None
-    try:
-        model_path = build_model("small", tmp / "models")
-        engine = VLLMEngine(model_path, sampling=SamplingConfig(), cfg=ENGINE_CFG, device="cuda:0",
-                            max_staleness=1, name="vllm-full-0", full_weights=True)
-        loop.run_until_complete(engine.start())
+    def make(loop: asyncio.AbstractEventLoop, engine: Any, model_path: Path, tmp: Path) -> Env:
         refs = publish_full_versions(model_path, tmp / "versions", VERSIONS)
-        yield Env(loop, engine, model_path, refs, FullRecomputer(model_path, refs, "cuda:0"), tmp / "versions")
-    finally:
-        if engine is not None:
-            loop.run_until_complete(engine.close())
-        close_loop(loop)
+        return Env(loop, engine, model_path, refs, FullRecomputer(model_path, refs, "cuda:0"), tmp / "versions")
+
+    yield from vllm_env(tmp_path_factory, "vllm-full", ENGINE_CFG, "vllm-full-0", make, full_weights=True)
 
 
 def group(group_id: int, n: int = 4, max_new_tokens: int = 64, prompt_seed: int = 0) -> GroupRequest:

@@ -27,10 +27,10 @@ from test_engine_contract import (
     VLLM_MEAN_ABS_DLOGPROB,
     VLLM_WARNING_FILTERS,
     Recomputer,
+    VLLMEnv,
     abs_dlogprob,
-    close_loop,
     publish_adapters,
-    vllm_unavailable,
+    vllm_env,
 )
 
 from pipeline.config import SamplingConfig, VLLMEngineConfig
@@ -52,39 +52,19 @@ MAX_STRAY = 0.05  # what another GPU may lose meanwhile (a CUDA context in this 
 
 
 @dataclass
-class Env:
-    loop: asyncio.AbstractEventLoop
-    engine: Any  # pipeline.engines.vllm.VLLMEngine
-    model_path: Path
+class Env(VLLMEnv):
     adapters: dict[int, AdapterRef]
     recompute: Recomputer
-
-    def run(self, coro: Any) -> Any:
-        return self.loop.run_until_complete(coro)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    if reason := vllm_unavailable():
-        pytest.skip(reason)
-    from pipeline.engines.vllm import VLLMEngine
-    from pipeline.models import build_model
-
-    tmp = tmp_path_factory.mktemp("vllm-gpu")
-    loop = asyncio.new_event_loop()
-    engine = None
-    try:
-        model_path = build_model("small", tmp / "models")
-        engine = VLLMEngine(model_path, sampling=SamplingConfig(), cfg=ENGINE_CFG, device="cuda:0",
-                            max_staleness=1, name="vllm-gpu-0")
-        loop.run_until_complete(engine.start())
+    def make(loop: asyncio.AbstractEventLoop, engine: Any, model_path: Path, tmp: Path) -> Env:
         adapters = publish_adapters(model_path, tmp / "adapters", VERSIONS, rank=LORA_RANK, b_std=LORA_B_STD,
                                     device="cuda:0")
-        yield Env(loop, engine, model_path, adapters, Recomputer(model_path, adapters, "cuda:0"))
-    finally:
-        if engine is not None:
-            loop.run_until_complete(engine.close())
-        close_loop(loop)
+        return Env(loop, engine, model_path, adapters, Recomputer(model_path, adapters, "cuda:0"))
+
+    yield from vllm_env(tmp_path_factory, "vllm-gpu", ENGINE_CFG, "vllm-gpu-0", make)
 
 
 def group(group_id: int, n: int, max_new_tokens: int, seed: int | None = None, prompt_seed: int = 0) -> GroupRequest:
