@@ -126,7 +126,7 @@ class RewardScorer:
                         values[a:b] = self._check(i, await self._invoke(i, texts[a:b], flat[a:b], one), b - a)
                     except RewardError as ge:
                         errors[g] = ge
-                if len(errors) == failed:  # every group alone was fine: it takes one group at a time
+                if failed == len(errors) == 0:  # every group alone was fine: it takes one group at a time
                     self.batched[i] = False
                     log.warning("reward_unbatched", function=self.names[i], error=str(e),
                                 hint="it failed on several groups at once but not on any one of them; "

@@ -301,3 +301,21 @@ def test_groups_with_different_prompt_columns_are_scored_one_by_one():
     out = _score_many(_scorer(rec), ([PROMPT, other], [["a"], ["b", "c"]], [[[1]], [[2], [3]]]))
     assert [len(r) for r in out] == [1, 2]
     assert calls == [["answer", "completion_ids", "level"], ["answer", "completion_ids"]]
+
+
+def test_a_batched_failure_on_a_group_already_failed_keeps_the_function_batched():
+    def nan_for_bad(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        return [float("nan") if c == "bad" else 0.5 for c in completions]
+
+    def chokes_on_bad(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        if "bad" in completions:
+            raise ValueError("bad")
+        return [1.0] * len(completions)
+
+    # the first function already failed group 1, so the second's retries skip it and find nothing
+    # new: that proves nothing about batching, and the second function stays batched
+    scorer = _scorer([nan_for_bad, chokes_on_bad])
+    out = _score_many(scorer)
+    assert isinstance(out[1], RewardError) and "non-finite" in str(out[1])
+    np.testing.assert_array_equal(out[0], [1.5] * 4)
+    assert scorer.batched == [True, True]
