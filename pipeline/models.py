@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import string
@@ -24,7 +25,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import structlog
@@ -134,6 +135,28 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
         pad_token=EOS_TOKEN,
         clean_up_tokenization_spaces=False,  # " ." must stay " ." for an exact round trip
     )
+
+
+def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
+    """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, through the Rust tokenizer's own
+    `decode_batch` when that is exactly what it amounts to.
+
+    transformers decodes a batch one sequence at a time in Python, holding the GIL throughout
+    (about 30 ms for 512 completions of 128 tokens on this project's CPU); `tokenizers`'
+    `decode_batch` does the same per-sequence decode in Rust, in parallel and without the GIL
+    (about 10 ms, almost none of it on the calling thread). It is taken only for a fast
+    tokenizer whose `_decode` is the base class's (which is that decode, then an optional
+    clean-up) with the clean-up off; any other tokenizer keeps its own `batch_decode`.
+    """
+    def slow(ids: list[list[int]]) -> list[str]:
+        return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    raw = getattr(tokenizer, "_tokenizer", None)
+    if (isinstance(raw, Tokenizer) and isinstance(tokenizer, PreTrainedTokenizerFast)
+            and getattr(type(tokenizer), "_decode", None) is PreTrainedTokenizerFast._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        return functools.partial(raw.decode_batch, skip_special_tokens=True)
+    return slow
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

@@ -65,6 +65,47 @@ def test_autotokenizer_loads_the_saved_tokenizer_offline(tmp_path: Path) -> None
     assert tok.eos_token_id == tok.pad_token_id == len(models.CHARACTERS)
 
 
+class NoBatchDecode(type(models.build_tokenizer())):
+    """A fast tokenizer whose own batch_decode must not be called (the fast path bypasses it)."""
+
+    def batch_decode(self, *a, **kw):
+        raise AssertionError("batch_decode called")
+
+
+def test_batch_decoder_decodes_in_rust_what_batch_decode_would(tmp_path: Path) -> None:
+    tok = models.build_tokenizer(vocab_size=128)
+    tok.save_pretrained(str(tmp_path))
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    rng = np.random.default_rng(0)
+    # characters, special tokens (skipped) and the padding tokens, in sequences of mixed length
+    ids = [rng.integers(0, 128, size=int(rng.integers(0, 40))).tolist() for _ in range(64)] + [[], [98, 1, 99]]
+    for t in (tok, loaded):
+        assert models.batch_decoder(t)(ids) == t.batch_decode(ids, skip_special_tokens=True)
+    fast = NoBatchDecode(tokenizer_object=tok._tokenizer, eos_token=models.EOS_TOKEN, clean_up_tokenization_spaces=False)
+    assert models.batch_decoder(fast)(ids) == tok.batch_decode(ids, skip_special_tokens=True)
+
+
+def test_batch_decoder_keeps_batch_decode_when_the_rust_decode_is_not_all_of_it() -> None:
+    tok = models.build_tokenizer()
+    cleaning = NoBatchDecode(tokenizer_object=tok._tokenizer, eos_token=models.EOS_TOKEN,
+                             clean_up_tokenization_spaces=True)  # the clean-up is Python's
+
+    class OwnDecode(NoBatchDecode):
+        def _decode(self, token_ids, **kw):
+            return "own"
+
+    own = OwnDecode(tokenizer_object=tok._tokenizer, eos_token=models.EOS_TOKEN, clean_up_tokenization_spaces=False)
+
+    class NotHF:
+        def batch_decode(self, ids, skip_special_tokens=False):
+            return [f"{len(x)}:{skip_special_tokens}" for x in ids]
+
+    for t in (cleaning, own):
+        with pytest.raises(AssertionError, match="batch_decode called"):
+            models.batch_decoder(t)([[1, 2]])
+    assert models.batch_decoder(NotHF())([[1, 2], []]) == ["2:True", "0:True"]
+
+
 def test_build_model_tiny_builds_once_and_loads(tmp_path: Path) -> None:
     path = models.build_model("tiny", tmp_path)
     assert path == tmp_path / f"tiny-v{models.FORMAT_VERSION}"
