@@ -89,6 +89,9 @@ log = structlog.get_logger(__name__)
 _DONE = object()
 MAX_CONSECUTIVE_FAILURES = 64  # this many groups failing in a row means the cause is not one group
 FLUSH_GROUPS = 4096  # pending RolloutLog groups that make the flush loop write before its second is up
+# completion tokens from which a wave is decoded in a worker thread: about a millisecond of
+# decoding, ten times a thread hop; below, it is cheaper on the loop
+DECODE_OFF_LOOP_TOKENS = 16384
 # an engine call failing with one of these fails that attempt, not the run
 _ENGINE_ERRORS = (RecoverableError, TimeoutError, EngineDeadError, RuntimeError, ValueError, OSError)
 
@@ -222,6 +225,10 @@ class Pipeline:
             self._tokenizer = await asyncio.to_thread(
                 AutoTokenizer.from_pretrained, self.model_path, trust_remote_code=cfg.model.trust_remote_code)
         self.tokenizer = self._tokenizer or None  # tokenizer=False: no text (prompts carry token ids)
+        if self.tokenizer is not None:
+            from pipeline.models import batch_decoder
+
+            self._decode = batch_decoder(self.tokenizer)
         self.max_context = self._max_context()
 
         # prompts and rewards
@@ -847,7 +854,11 @@ class Pipeline:
             keep.append((adm, gen))
         ids = [[c.token_ids.tolist() for c in gen.completions] for _, gen in keep]
         if self.tokenizer is not None:
-            flat = self.tokenizer.batch_decode([x for per in ids for x in per], skip_special_tokens=True)
+            every = [x for per in ids for x in per]
+            if sum(map(len, every)) >= DECODE_OFF_LOOP_TOKENS:  # off the loop: vLLM's output handling runs there
+                flat = await asyncio.to_thread(self._decode, every)
+            else:
+                flat = self._decode(every)
             texts, i = [], 0
             for per in ids:
                 texts.append(flat[i:i + len(per)])

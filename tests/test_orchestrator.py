@@ -242,6 +242,36 @@ def test_each_item_becomes_a_prompt_once_however_often_the_stream_draws_it(tmp_p
     assert sorted(set(r.groups["prompt_id"].tolist())) == ["t0", "t1", "t2", "t3"]
 
 
+def test_a_large_wave_is_decoded_off_the_event_loop(tmp_path, monkeypatch):
+    import threading
+
+    import pipeline.orchestrator as orch
+
+    class ThreadTokenizer(CountingTokenizer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.threads: set[int] = set()
+
+        def batch_decode(self, ids, skip_special_tokens=True):
+            self.threads.add(threading.get_ident())
+            return super().batch_decode(ids, skip_special_tokens)
+
+    seen: list[str] = []
+
+    def text_reward(prompts, completions, **kw):
+        seen.extend(completions)
+        return [float(len(c)) for c in completions]
+
+    items = [{"id": f"t{i}", "prompt": f"text {i}", "label": i} for i in range(4)]
+    monkeypatch.setattr(orch, "DECODE_OFF_LOOP_TOKENS", 1)  # every wave counts as large
+    tok = ThreadTokenizer()
+    p = Pipeline(sim_config(tmp_path, steps=3, B=2), prompts=items, reward=text_reward, tokenizer=tok, console=False)
+    loop_thread = threading.get_ident()  # run_sync runs the loop on this thread
+    summary = p.run_sync()
+    assert summary["steps"] == 3 and tok.threads and loop_thread not in tok.threads
+    assert seen and set(seen) == {"xxxx"}  # the decoded texts reached the reward (4 tokens each)
+
+
 def test_a_finite_data_set_trains_every_prompt_once(tmp_path):
     p, summary = run(sim_config(tmp_path, steps=100, B=4, K=2), epochs=1)
     r = assert_accounted(p, summary)
