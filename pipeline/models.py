@@ -137,26 +137,33 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     )
 
 
-def batch_decoder(tokenizer: Any) -> Callable[[list[list[int]]], list[str]]:
-    """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, through the Rust tokenizer's own
-    `decode_batch` when that is exactly what it amounts to.
+def batch_decoder(tokenizer: Any, parallel: bool = False) -> Callable[[list[list[int]]], list[str]]:
+    """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, through the Rust tokenizer itself
+    when that is exactly what it amounts to.
 
-    transformers decodes a batch one sequence at a time in Python, holding the GIL throughout
-    (about 30 ms for 512 completions of 128 tokens on this project's CPU); `tokenizers`'
-    `decode_batch` does the same per-sequence decode in Rust, in parallel and without the GIL
-    (about 10 ms, almost none of it on the calling thread). It is taken only for a fast
-    tokenizer whose `_decode` is the base class's (which is that decode, then an optional
-    clean-up) with the clean-up off; any other tokenizer keeps its own `batch_decode`.
+    transformers decodes a batch one sequence at a time through its Python wrapper (~40 us a
+    completion of 128 tokens on this project's CPU, holding the GIL). Straight to the Rust
+    tokenizer, the same decode costs a fraction of that:
+    - `parallel=False`: one Rust decode per sequence on the calling thread, which keeps its
+      core. For the event loop: handing a small batch to other threads made the loop wait for
+      them to be scheduled (`python run.py`'s lag p99 rose by ~0.4 ms on 2 cores).
+    - `parallel=True`: `decode_batch`, in parallel and without the GIL, for a worker thread.
+    Taken only for a fast tokenizer whose `_decode` is the base class's (that decode, then an
+    optional clean-up) with the clean-up off; any other tokenizer keeps its own `batch_decode`.
     """
-    def slow(ids: list[list[int]]) -> list[str]:
-        return tokenizer.batch_decode(ids, skip_special_tokens=True)
-
     raw = getattr(tokenizer, "_tokenizer", None)
-    if (isinstance(raw, Tokenizer) and isinstance(tokenizer, PreTrainedTokenizerFast)
+    if not (isinstance(raw, Tokenizer) and isinstance(tokenizer, PreTrainedTokenizerFast)
             and getattr(type(tokenizer), "_decode", None) is PreTrainedTokenizerFast._decode
             and not tokenizer.clean_up_tokenization_spaces):
+        return functools.partial(tokenizer.batch_decode, skip_special_tokens=True)
+    if parallel:
         return functools.partial(raw.decode_batch, skip_special_tokens=True)
-    return slow
+    decode = raw.decode
+
+    def each(ids: list[list[int]]) -> list[str]:
+        return [decode(x, skip_special_tokens=True) for x in ids]
+
+    return each
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:

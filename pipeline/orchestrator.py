@@ -228,7 +228,8 @@ class Pipeline:
         if self.tokenizer is not None:
             from pipeline.models import batch_decoder
 
-            self._decode = batch_decoder(self.tokenizer)
+            self._decode = batch_decoder(self.tokenizer)  # on the loop's thread
+            self._decode_parallel = batch_decoder(self.tokenizer, parallel=True)  # in a worker thread
         self.max_context = self._max_context()
 
         # prompts and rewards
@@ -856,7 +857,7 @@ class Pipeline:
         if self.tokenizer is not None:
             every = [x for per in ids for x in per]
             if sum(map(len, every)) >= DECODE_OFF_LOOP_TOKENS:  # off the loop: vLLM's output handling runs there
-                flat = await asyncio.to_thread(self._decode, every)
+                flat = await asyncio.to_thread(self._decode_parallel, every)
             else:
                 flat = self._decode(every)
             texts, i = [], 0

@@ -79,10 +79,10 @@ def test_batch_decoder_decodes_in_rust_what_batch_decode_would(tmp_path: Path) -
     rng = np.random.default_rng(0)
     # characters, special tokens (skipped) and the padding tokens, in sequences of mixed length
     ids = [rng.integers(0, 128, size=int(rng.integers(0, 40))).tolist() for _ in range(64)] + [[], [98, 1, 99]]
-    for t in (tok, loaded):
-        assert models.batch_decoder(t)(ids) == t.batch_decode(ids, skip_special_tokens=True)
     fast = NoBatchDecode(tokenizer_object=tok._tokenizer, eos_token=models.EOS_TOKEN, clean_up_tokenization_spaces=False)
-    assert models.batch_decoder(fast)(ids) == tok.batch_decode(ids, skip_special_tokens=True)
+    for t in (tok, loaded, fast):
+        for parallel in (False, True):
+            assert models.batch_decoder(t, parallel)(ids) == tok.batch_decode(ids, skip_special_tokens=True)
 
 
 def test_batch_decoder_keeps_batch_decode_when_the_rust_decode_is_not_all_of_it() -> None:
@@ -101,8 +101,9 @@ def test_batch_decoder_keeps_batch_decode_when_the_rust_decode_is_not_all_of_it(
             return [f"{len(x)}:{skip_special_tokens}" for x in ids]
 
     for t in (cleaning, own):
-        with pytest.raises(AssertionError, match="batch_decode called"):
-            models.batch_decoder(t)([[1, 2]])
+        for parallel in (False, True):
+            with pytest.raises(AssertionError, match="batch_decode called"):
+                models.batch_decoder(t, parallel)([[1, 2]])
     assert models.batch_decoder(NotHF())([[1, 2], []]) == ["2:True", "0:True"]
 
 
