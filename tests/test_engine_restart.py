@@ -399,3 +399,52 @@ def test_an_engine_that_rejoins_while_a_version_loads_gets_that_version_too(tmp_
     # no engine was ever asked to sample a version it had not loaded since its last start
     assert (1, gated) in e0.loads
     assert StrictEngine.violations == []
+
+
+class DiesAtFirstLoad(StrictEngine):
+    """Samples only loaded versions (StrictEngine's check) and, once armed, dies at its first
+    adapter load: an engine lost right after it started, while a resumed run's set-up loads the
+    checkpoint's version on it."""
+
+    armed = False
+
+    def __init__(self, cfg, **kw) -> None:
+        super(StrictEngine, self).__init__(cfg, **kw)  # no die_after: only the armed load kills it
+        self.loaded, self.loads = {0}, []
+
+    async def load_adapter(self, adapter) -> None:
+        if DiesAtFirstLoad.armed and adapter.version:
+            DiesAtFirstLoad.armed = False
+            self._closed = True  # what a dead engine looks like from here: every call refused
+            raise EngineDeadError(f"engine {self.name} died while loading {adapter.name}")
+        await super(StrictEngine, self).load_adapter(adapter)
+        self.loaded.add(adapter.version)
+        self.loads.append((self._restarts, adapter.version))
+
+
+def test_an_engine_lost_during_a_resumed_runs_set_up_is_restarted_with_the_checkpoints_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline.engines.simulated
+
+    StrictEngine.violations = []
+    built: list[DiesAtFirstLoad] = []
+
+    def build(cfg, **kw):
+        built.append(DiesAtFirstLoad(cfg, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(pipeline.engines.simulated, "SimulatedEngine", build)
+    first = Pipeline(sim_config(tmp_path, **{**RESTARTS, "pipeline.steps": 4}), prompts=PROMPTS, reward=reward,
+                     tokenizer=False, console=False)
+    assert first.run_sync()["steps"] == 4
+    DiesAtFirstLoad.armed = True
+    p = Pipeline(sim_config(tmp_path, **{**RESTARTS, "pipeline.steps": 8}), prompts=PROMPTS, reward=reward,
+                 tokenizer=False, console=False, resume=True)
+    s = p.run_sync()
+    assert s["error"] is None and s["steps"] == 8 and s["resumed_from_step"] == 4
+    assert not DiesAtFirstLoad.armed  # the set-up's load of version 4 did kill it
+    engine = built[-1]
+    assert s["engine_restarts"] == {"simulated-0": 1}
+    assert (1, 4) in engine.loads  # the restarted engine loaded the checkpoint's version
+    assert StrictEngine.violations == []  # and sampled nothing it had not loaded
+    assert_accounted(p, s)
