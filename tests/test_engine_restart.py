@@ -319,70 +319,86 @@ def test_vllm_engine_start_after_close_builds_a_new_asyncllm(tmp_path: Path, mon
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,5"  # narrowed only while each AsyncLLM was built
 
 
-class StrictEngine(SimulatedEngine):
-    """A simulated engine that samples only versions loaded since its last start, like a real one.
-
-    "simulated-0" dies after DIE_AFTER groups each time it starts. On "simulated-1", the first load
-    of a version published after engine 0 died waits until engine 0 has started again: the
-    restarted engine rejoins while the others are loading a version, which the version it was
-    given on rejoining does not include.
-    """
-
-    DIE_AFTER = 6
-    violations: list[str] = []
-    engine0_back: asyncio.Event | None = None
-    gated: dict[str, object] = {}
+class LoadedOnly(SimulatedEngine):
+    """A simulated engine that samples only versions loaded since its last start, like a real one:
+    a call for any other version is recorded in `violations` (and served, so the run goes on)."""
 
     def __init__(self, cfg, **kw) -> None:
-        if kw["name"] == "simulated-0":
-            cfg = dataclasses.replace(cfg, die_after=self.DIE_AFTER)
         super().__init__(cfg, **kw)
         self.loaded: set[int] = {0}  # versions loaded since the last start
-        self.loads: list[tuple[int, int]] = []  # (start count, version) of every load
+        self.loads: list[tuple[int, int]] = []  # (restarts so far, version) of every load
+        self.violations: list[str] = []
 
     async def start(self) -> None:
         await super().start()
         self.loaded = {0}
-        if self.name == "simulated-0" and self._restarts and StrictEngine.engine0_back is not None:
-            StrictEngine.engine0_back.set()
 
     async def load_adapter(self, adapter) -> None:
-        if self.name == "simulated-1" and "version" not in StrictEngine.gated and self.died_engine0():
-            StrictEngine.gated["version"] = adapter.version
-            StrictEngine.engine0_back = asyncio.Event()
-            await asyncio.wait_for(StrictEngine.engine0_back.wait(), timeout=10)
         await super().load_adapter(adapter)
         self.loaded.add(adapter.version)
         self.loads.append((self._restarts, adapter.version))
 
-    @staticmethod
-    def died_engine0() -> bool:
-        return StrictEngine.gated.get("engine0") is not None and StrictEngine.gated["engine0"]._closed
+    def _check_loaded(self, adapter) -> None:
+        if adapter.version not in self.loaded and not self._closed:
+            self.violations.append(f"{self.name} asked for version {adapter.version}, loaded {sorted(self.loaded)}")
 
     async def generate_many(self, requests, adapter):
-        if adapter.version not in self.loaded and not self._closed:
-            StrictEngine.violations.append(f"{self.name} asked for version {adapter.version}, loaded {sorted(self.loaded)}")
+        self._check_loaded(adapter)
         return await super().generate_many(requests, adapter)
 
     async def generate(self, request, adapter):
-        if adapter.version not in self.loaded and not self._closed:
-            StrictEngine.violations.append(f"{self.name} asked for version {adapter.version}, loaded {sorted(self.loaded)}")
+        self._check_loaded(adapter)
         return await super().generate(request, adapter)
+
+
+class RejoinGate:
+    """What the two engines of the rejoin test share: engine 0, the version whose load on engine 1
+    was held back, and the event that releases it (engine 0 started again)."""
+
+    def __init__(self) -> None:
+        self.engine0: LoadedOnly | None = None
+        self.version: int | None = None
+        self.engine0_back = asyncio.Event()
+
+
+class RejoinsDuringLoad(LoadedOnly):
+    """"simulated-0" dies after DIE_AFTER groups each time it starts. On "simulated-1", the first
+    load of a version after engine 0 died waits until engine 0 has started again: the restarted
+    engine rejoins while the others are loading a version that its rejoining list does not hold."""
+
+    DIE_AFTER = 6
+
+    def __init__(self, cfg, gate: RejoinGate, **kw) -> None:
+        if kw["name"] == "simulated-0":
+            cfg = dataclasses.replace(cfg, die_after=self.DIE_AFTER)
+        super().__init__(cfg, **kw)
+        self.gate = gate
+
+    async def start(self) -> None:
+        await super().start()
+        if self.name == "simulated-0" and self._restarts:
+            self.gate.engine0_back.set()
+
+    async def load_adapter(self, adapter) -> None:
+        g = self.gate
+        if self.name == "simulated-1" and g.version is None and g.engine0 is not None and g.engine0._closed:
+            g.version = adapter.version
+            await asyncio.wait_for(g.engine0_back.wait(), timeout=10)
+        await super().load_adapter(adapter)
 
 
 def test_an_engine_that_rejoins_while_a_version_loads_gets_that_version_too(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import pipeline.engines.simulated
 
-    StrictEngine.violations, StrictEngine.gated, StrictEngine.engine0_back = [], {}, None
-    built: list[StrictEngine] = []
+    gate = RejoinGate()
+    built: list[RejoinsDuringLoad] = []
 
     def build(cfg, **kw):
-        e = StrictEngine(cfg, **kw)
-        built.append(e)
+        built.append(RejoinsDuringLoad(cfg, gate, **kw))
         if kw["name"] == "simulated-0":
-            StrictEngine.gated["engine0"] = e
-        return e
+            gate.engine0 = built[-1]
+        return built[-1]
 
     monkeypatch.setattr(pipeline.engines.simulated, "SimulatedEngine", build)
     cfg = sim_config(tmp_path, **{**RESTARTS, "pipeline.steps": 12, "engine.devices": ["cpu", "cpu"]})
@@ -391,60 +407,53 @@ def test_an_engine_that_rejoins_while_a_version_loads_gets_that_version_too(tmp_
     assert s["error"] is None and s["steps"] == 12
     assert_accounted(p, s)
     e0, e1 = built
-    gated = StrictEngine.gated.get("version")
-    # the interleaving happened: engine 1's load of `gated` waited for engine 0 to start again
-    assert gated is not None and StrictEngine.engine0_back is not None and StrictEngine.engine0_back.is_set()
+    # the interleaving happened: engine 1's load of `gate.version` waited for engine 0 to start again
+    assert gate.version is not None and gate.engine0_back.is_set()
     assert s["engine_restarts"].get("simulated-0", 0) >= 1
-    # engine 0 loaded `gated` after that restart (from _load_on_engines, not its rejoin list), and
-    # no engine was ever asked to sample a version it had not loaded since its last start
-    assert (1, gated) in e0.loads
-    assert StrictEngine.violations == []
+    # engine 0 loaded that version after its restart (from _load_on_engines, not its rejoin list),
+    # and no engine was ever asked to sample a version it had not loaded since its last start
+    assert (1, gate.version) in e0.loads
+    assert e0.violations == e1.violations == []
 
 
-class DiesAtFirstLoad(StrictEngine):
-    """Samples only loaded versions (StrictEngine's check) and, once armed, dies at its first
-    adapter load: an engine lost right after it started, while a resumed run's set-up loads the
-    checkpoint's version on it."""
+class DiesAtFirstLoad(LoadedOnly):
+    """Once `armed`, dies at its first adapter load: an engine lost right after it started, while
+    a resumed run's set-up loads the checkpoint's version on it."""
 
     armed = False
 
-    def __init__(self, cfg, **kw) -> None:
-        super(StrictEngine, self).__init__(cfg, **kw)  # no die_after: only the armed load kills it
-        self.loaded, self.loads = {0}, []
-
     async def load_adapter(self, adapter) -> None:
-        if DiesAtFirstLoad.armed and adapter.version:
-            DiesAtFirstLoad.armed = False
+        if self.armed and adapter.version:
+            self.armed = False
             self._closed = True  # what a dead engine looks like from here: every call refused
             raise EngineDeadError(f"engine {self.name} died while loading {adapter.name}")
-        await super(StrictEngine, self).load_adapter(adapter)
-        self.loaded.add(adapter.version)
-        self.loads.append((self._restarts, adapter.version))
+        await super().load_adapter(adapter)
 
 
 def test_an_engine_lost_during_a_resumed_runs_set_up_is_restarted_with_the_checkpoints_version(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pipeline.engines.simulated
 
-    StrictEngine.violations = []
     built: list[DiesAtFirstLoad] = []
+    arm = False
 
     def build(cfg, **kw):
         built.append(DiesAtFirstLoad(cfg, **kw))
+        built[-1].armed = arm
         return built[-1]
 
     monkeypatch.setattr(pipeline.engines.simulated, "SimulatedEngine", build)
     first = Pipeline(sim_config(tmp_path, **{**RESTARTS, "pipeline.steps": 4}), prompts=PROMPTS, reward=reward,
                      tokenizer=False, console=False)
     assert first.run_sync()["steps"] == 4
-    DiesAtFirstLoad.armed = True
+    arm = True
     p = Pipeline(sim_config(tmp_path, **{**RESTARTS, "pipeline.steps": 8}), prompts=PROMPTS, reward=reward,
                  tokenizer=False, console=False, resume=True)
     s = p.run_sync()
     assert s["error"] is None and s["steps"] == 8 and s["resumed_from_step"] == 4
-    assert not DiesAtFirstLoad.armed  # the set-up's load of version 4 did kill it
     engine = built[-1]
+    assert not engine.armed  # the set-up's load of version 4 did kill it
     assert s["engine_restarts"] == {"simulated-0": 1}
     assert (1, 4) in engine.loads  # the restarted engine loaded the checkpoint's version
-    assert StrictEngine.violations == []  # and sampled nothing it had not loaded
+    assert engine.violations == []  # and sampled nothing it had not loaded
     assert_accounted(p, s)
