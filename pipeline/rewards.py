@@ -117,7 +117,6 @@ class RewardScorer:
                 values = self._check(i, await self._invoke(i, texts, flat, kwargs), N)
             except RewardError as e:  # which groups? each alone, as `score` would have called it
                 values = np.zeros(N, dtype=np.float64)
-                failed = len(errors)
                 for g, (a, b) in enumerate(bounds):
                     if g in errors:
                         continue
@@ -126,7 +125,7 @@ class RewardScorer:
                         values[a:b] = self._check(i, await self._invoke(i, texts[a:b], flat[a:b], one), b - a)
                     except RewardError as ge:
                         errors[g] = ge
-                if failed == len(errors) == 0:  # every group alone was fine: it takes one group at a time
+                if not errors:  # no group failed, alone or earlier: it takes one group at a time
                     self.batched[i] = False
                     log.warning("reward_unbatched", function=self.names[i], error=str(e),
                                 hint="it failed on several groups at once but not on any one of them; "
