@@ -77,20 +77,34 @@ class SimulatedEngine:
     _POOL = 1 << 18  # synthetic values drawn once; groups take slices (a fresh RNG per group costs ~50 us)
 
     def _synthesize(self, request: GroupRequest, version: int) -> tuple[Completion, ...]:
+        return self._synthesize_many([request], version)[0]
+
+    def _synthesize_many(self, requests: Sequence[GroupRequest], version: int) -> list[tuple[Completion, ...]]:
+        """Each request's completions: slices of the pool at an offset keyed on (group, version, seed).
+
+        Requests of one shape (n, tokens) are gathered with one indexing operation: the per-group
+        numpy calls cost more than the orchestration the overhead benchmark measures."""
         if self._tokens is None:
             rng = np.random.default_rng(self.seed)
             self._tokens = rng.integers(1, self.cfg.vocab_size, size=self._POOL, dtype=np.int64)
             # log-probs of a peaked-but-random policy: negative and finite
             self._logprobs = (-rng.exponential(1.0, size=self._POOL)).astype(np.float32)
-        T = min(self.cfg.completion_tokens, request.max_new_tokens)
-        size = request.n * T
+        shapes = {(r.n, min(self.cfg.completion_tokens, r.max_new_tokens)) for r in requests}
+        if len(shapes) > 1:
+            return [self._synthesize_many([r], version)[0] for r in requests]
+        if not requests:
+            return []
+        (n, T), = shapes
+        size = n * T
         if size > self._POOL:
             raise ValueError(f"simulated groups hold at most {self._POOL} tokens, asked for {size}")
-        key = request.group_id * 2654435761 + version * 40503 + (request.seed or 0) * 977
-        off = key % (self._POOL - size + 1)
-        tokens = self._tokens[off:off + size].reshape(request.n, T)
-        logprobs = (self._logprobs[off:off + size] - np.float32(0.01 * version)).reshape(request.n, T)
-        return tuple(Completion(tokens[i], logprobs[i], "length") for i in range(request.n))
+        keys = [r.group_id * 2654435761 + version * 40503 + (r.seed or 0) * 977 for r in requests]
+        offsets = np.array([k % (self._POOL - size + 1) for k in keys], dtype=np.int64)
+        at = offsets[:, None] + np.arange(size)  # [G, n * T] pool positions
+        tokens = self._tokens[at].reshape(-1, T)  # [G * n, T]
+        logprobs = (self._logprobs[at] - np.float32(0.01 * version)).reshape(-1, T)
+        rows = list(map(Completion, tokens, logprobs, ["length"] * len(tokens)))
+        return [tuple(rows[i:i + n]) for i in range(0, len(rows), n)]
 
     def _check_ready(self, adapter: AdapterRef, groups: int = 0) -> None:
         """Refuse calls on a closed or dead engine; count `groups` towards `die_after`."""
@@ -188,13 +202,15 @@ class SimulatedEngine:
                 if self.cfg.latency_s > 0:
                     rounds = -(-len(requests) // self.cfg.concurrency) if self.cfg.concurrency else 1
                     await asyncio.sleep(self.cfg.latency_s * rounds)
-                out: list[Generation | Exception] = []
                 t_end = time.monotonic()
+                ok = [r for r, fault in zip(requests, faults) if fault != "fail"]
+                made = iter(self._synthesize_many(ok, adapter.version))
+                out: list[Generation | Exception] = []
                 for r, fault in zip(requests, faults):
                     if fault == "fail":
                         out.append(GenerationError(f"engine {self.name}: injected failure (group {r.group_id})"))
                         continue
-                    completions = self._synthesize(r, adapter.version)
+                    completions = next(made)
                     self.stats["tokens"] += len(completions) * len(completions[0].token_ids) if completions else 0
                     out.append(Generation(r, completions, adapter.version, self.name, t_start, t_end))
         except asyncio.CancelledError:
