@@ -74,6 +74,15 @@ class Ledger:
             raise ValueError(f"group {gid} is already settled")
         self._live[gid] = state
 
+    def set_state_many(self, gids: list[int], state: str) -> None:
+        """`set_state` for several groups."""
+        if state not in LIVE_STATES:
+            raise ValueError(f"{state!r} is not a live state; use settle() for {SETTLED_FATES}")
+        settled = [g for g in gids if g < self._settled_below or g in self._settled_above]
+        if settled:
+            raise ValueError(f"groups {settled} are already settled")
+        self._live.update(dict.fromkeys(gids, state))
+
     def settle(self, gid: int, fate: str, reason: str = "") -> None:
         """The group left the system: trained, dropped or failed (with reason), or refused."""
         if fate not in SETTLED_FATES:

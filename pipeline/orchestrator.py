@@ -564,17 +564,18 @@ class Pipeline:
             if adm is None:
                 self.ledger.give_back(gid)
                 return
-            wave = [self._start(adm, prompt)]
             # more groups that may start now, without waiting: the same version, so one call
-            while self.buffer.admission_room() > 0 and (gid := self.ledger.next_id()) is not None:
+            room = self.buffer.admission_room()
+            ids, prompts = [gid], [prompt]
+            while len(ids) <= room and (gid := self.ledger.next_id()) is not None:
                 prompt = self._prompt_or_refuse(gid)
-                if prompt is None:
-                    continue
-                adm = self.buffer.try_admit(gid)
-                if adm is None:
-                    self.ledger.give_back(gid)
-                    break
-                wave.append(self._start(adm, prompt))
+                if prompt is not None:
+                    ids.append(gid)
+                    prompts.append(prompt)
+            adms = [adm, *self.buffer.try_admit_many(ids[1:])]
+            for gid in reversed(ids[len(adms):]):  # not started (nothing awaited since `room`, so none)
+                self.ledger.give_back(gid)
+            wave = self._start(adms, prompts)
             for i in range(0, len(wave), max_wave):
                 part = wave[i:i + max_wave]
                 if max_wave == 1:
@@ -599,15 +600,19 @@ class Pipeline:
         self._prompts[id(item)] = (item, prompt)
         return prompt
 
-    def _start(self, adm: Admission, prompt: Prompt) -> tuple[Admission, GroupRequest]:
-        """An admitted group is in flight: its request, and its entry among the live groups."""
-        crash_point("admission")
-        gid = adm.group_id
-        self.ledger.set_state(gid, "in_flight")
-        self._live[gid] = (prompt, adm.version, adm.t_admitted)
-        cfg = self.config
-        seed = (cfg.seed * 1_000_003 + gid) % 2**31 if cfg.sampling.per_request_seed else None
-        return adm, GroupRequest(gid, prompt, cfg.sampling.n, cfg.sampling.max_new_tokens, seed)
+    def _start(self, adms: list[Admission], prompts: list[Prompt]) -> list[tuple[Admission, GroupRequest]]:
+        """Admitted groups are in flight: each one's request, and its entry among the live groups."""
+        sampling = self.config.sampling
+        base = self.config.seed * 1_000_003
+        wave = []
+        for adm, prompt in zip(adms, prompts):
+            crash_point("admission")
+            gid = adm.group_id
+            self._live[gid] = (prompt, adm.version, adm.t_admitted)
+            seed = (base + gid) % 2**31 if sampling.per_request_seed else None
+            wave.append((adm, GroupRequest(gid, prompt, sampling.n, sampling.max_new_tokens, seed)))
+        self.ledger.set_state_many([adm.group_id for adm in adms], "in_flight")
+        return wave
 
     def _pick_engine(self) -> Engine:
         """The least loaded engine in rotation (EngineDeadError if there is none)."""
@@ -882,8 +887,7 @@ class Pipeline:
             groups.append(RolloutGroup(gen, rewards, now))
         try:
             await self.buffer.put_many(groups)
-            for g in groups:
-                self.ledger.set_state(g.group_id, "buffered")
+            self.ledger.set_state_many([g.group_id for g in groups], "buffered")
         except BufferClosed:
             # shutting down: keep what was produced in the log (what was put is the buffer's to report)
             for g in groups:
@@ -1013,8 +1017,7 @@ class Pipeline:
         for g, reason in sel.dropped:
             self._record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
         self._training = sel.groups
-        for g in sel.groups:
-            self.ledger.set_state(g.group_id, "training")
+        self.ledger.set_state_many([g.group_id for g in sel.groups], "training")
 
     async def _trainer_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """A blocking trainer call in a thread, under trainer.step_timeout_s."""

@@ -246,3 +246,25 @@ def test_wait_drained_returns_at_once_when_nothing_is_in_flight_and_on_close():
         await asyncio.wait_for(drained, 1)
 
     asyncio.run(scenario())
+
+
+def test_try_admit_many_starts_the_prefix_admission_allows_at_one_version():
+    buf = RolloutBuffer(batch_groups=2, max_staleness=1)  # (K + 0 + 1) * B = 4 live at version 0
+    first = buf.try_admit(10)
+    wave = buf.try_admit_many([11, 12, 13, 14, 15])
+    assert [a.group_id for a in wave] == [11, 12, 13]  # room for three more
+    assert {a.version for a in wave} == {0} and len({a.t_admitted for a in wave}) == 1
+    assert buf.counts.in_flight == buf.counts.started == 4 and buf.try_admit_many([14]) == []
+    buf.fail_nowait(first.group_id, "reward_error")  # its slot is given back
+    with pytest.raises(ValueError, match="already live"):
+        buf.try_admit_many([wave[0].group_id])
+    with pytest.raises(ValueError, match="repeated"):
+        buf.try_admit_many([14, 14])
+    assert buf.counts.in_flight == 3 and buf.counts.balanced()  # a refused call starts nothing
+    buf.serving_version = 1
+    assert [(a.group_id, a.version) for a in buf.try_admit_many([14, 15, 16])] == [(14, 1), (15, 1), (16, 1)]
+    asyncio.run(buf.finish_admission())
+    assert buf.try_admit_many([17]) == []
+    asyncio.run(buf.close())
+    with pytest.raises(BufferClosed):
+        buf.try_admit_many([17])

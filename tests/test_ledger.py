@@ -66,3 +66,17 @@ def test_a_snapshot_queues_exactly_the_unsettled_ids_below_its_cursor(ops, rnd) 
     assert sum(again.fates.values()) == len(settled)
     for gid in settled:
         assert again.is_settled(gid)
+
+
+def test_set_state_many_is_set_state_for_each_and_refuses_as_it_does() -> None:
+    led = Ledger()
+    ids = [led.next_id() for _ in range(4)]
+    led.set_state_many(ids[:3], "in_flight")
+    led.set_state_many(ids[1:3], "buffered")
+    assert led.states() == {"in_flight": 1, "buffered": 2, "queued": 0}
+    led.settle(ids[2], "trained")
+    with pytest.raises(ValueError, match=r"groups \[2\] are already settled"):
+        led.set_state_many(ids, "training")
+    with pytest.raises(ValueError, match="live state"):
+        led.set_state_many(ids[:2], "trained")
+    assert led.states() == {"in_flight": 1, "buffered": 1, "queued": 0}  # nothing changed by a refusal
