@@ -88,7 +88,12 @@ log = structlog.get_logger(__name__)
 
 _DONE = object()
 MAX_CONSECUTIVE_FAILURES = 64  # this many groups failing in a row means the cause is not one group
-FLUSH_GROUPS = 4096  # pending RolloutLog groups that make the flush loop write before its second is up
+# pending RolloutLog groups, or completion tokens, that make the flush loop write before its
+# second is up. A flush costs ~20 ms whatever its size plus ~5 us a group (n=8, 16 tokens each,
+# on one core), so at ten thousand groups a second flushing every 4,096 groups spent 5 us a group
+# on the fixed part alone; the token bound keeps what is pending to about 16 MB of arrays.
+FLUSH_GROUPS = 16384
+FLUSH_TOKENS = 1 << 21
 # completion tokens from which a wave is decoded in a worker thread: about a millisecond of
 # decoding, ten times a thread hop; below, it is cheaper on the loop
 DECODE_OFF_LOOP_TOKENS = 16384
@@ -1128,7 +1133,7 @@ class Pipeline:
 
     async def _flush_loop(self) -> None:
         """Consumes the RolloutLog's pending rows; writes them to zarr in a thread about once a
-        second, or sooner once FLUSH_GROUPS are pending.
+        second, or sooner once FLUSH_GROUPS groups or FLUSH_TOKENS tokens are pending.
 
         Off the train loop: a flush costs tens of milliseconds whatever its size, and a trainer
         that waited for it would idle that long every time. Sooner when many are pending, so the
@@ -1138,7 +1143,8 @@ class Pipeline:
         while True:
             await asyncio.sleep(0.1)
             pending = self.rollout_log.pending
-            if pending >= FLUSH_GROUPS or (pending and time.monotonic() - last >= 1.0):
+            if (pending >= FLUSH_GROUPS or self.rollout_log.pending_tokens >= FLUSH_TOKENS
+                    or (pending and time.monotonic() - last >= 1.0)):
                 await asyncio.to_thread(self.rollout_log.flush)
                 last = time.monotonic()
 

@@ -281,6 +281,7 @@ class RolloutLog:
         self._pending_lock = threading.Lock()  # guards _pending, _ids, counters across threads
         self._pending: list[_Block] = []
         self._pending_groups = 0  # groups in _pending
+        self._pending_tokens = 0  # completion tokens in _pending
         self._closed = False
         if (self.path / "zarr.json").exists():
             self._group = zarr.open_group(self.path, mode="r+")
@@ -370,6 +371,7 @@ class RolloutLog:
             self._ids.update(ids)
             self._pending.append(block)
             self._pending_groups += len(ids)
+            self._pending_tokens += len(block.tokens)
             self._fates.update([o.fate for o in outcomes])
             self._reasons.update([f"{o.fate}:{o.reason}" for o in outcomes])
             due = self._pending_groups >= self.flush_every
@@ -404,6 +406,7 @@ class RolloutLog:
             with self._pending_lock:
                 del self._pending[: len(blocks)]
                 self._pending_groups -= groups
+                self._pending_tokens -= len(columns["tokens"])
             log.debug("rollout_log_flushed", groups=groups, total=new["groups"],
                       seconds=round(time.monotonic() - t0, 4))
 
@@ -503,6 +506,12 @@ class RolloutLog:
         """Groups appended but not yet flushed."""
         with self._pending_lock:
             return self._pending_groups
+
+    @property
+    def pending_tokens(self) -> int:
+        """Completion tokens of the groups appended but not yet flushed."""
+        with self._pending_lock:
+            return self._pending_tokens
 
     def counts(self) -> dict[str, int]:
         """Groups per fate, written and pending (every fate present, zero if none)."""

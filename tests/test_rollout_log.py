@@ -613,3 +613,15 @@ def test_one_failed_array_write_fails_the_flush_and_a_retry_completes_it(
     assert r.num_groups == len(outcomes)
     for i, o in enumerate(outcomes):
         assert_group_equal(r.group(i), o)
+
+
+def test_pending_tokens_count_the_completion_tokens_not_yet_flushed(tmp_path: Path) -> None:
+    log = RolloutLog(tmp_path / "r.zarr", flush_every=100)
+    log.append_many([make_outcome(0, lengths=(3, 5)), make_outcome(1, lengths=(2,))])
+    log.append(make_outcome(2, "failed", with_generation=False))
+    assert log.pending == 3 and log.pending_tokens == 10
+    log.flush()
+    assert log.pending == 0 and log.pending_tokens == 0
+    log.append(make_outcome(3, lengths=(4, 4)))
+    assert log.pending_tokens == 8
+    log.close()
