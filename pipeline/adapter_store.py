@@ -47,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -56,7 +57,6 @@ from typing import Any, Callable, Mapping
 import structlog
 
 from pipeline.durable import fsync_dir as _fsync_dir
-from pipeline.durable import fsync_file as _fsync_file
 from pipeline.durable import sha256_file as _sha256_file
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, StoreError
 from pipeline.faults import crash_point
@@ -256,28 +256,42 @@ class AdapterStore:
         """
         given = Path(path)
         # resolve the parent only: the version directory itself must not be a symlink, and
-        # resolving it would follow one out of the root
-        p = given.parent.resolve() / given.name
+        # resolving it would follow one out of the root (the root is resolved already: a path
+        # the store handed out is taken as it is)
+        p = given if given.parent == self.root else given.parent.resolve() / given.name
         m = _NAME_RE.match(p.name)
         if p.parent != self.root or m is None:
             raise AdapterError(f"{path} is not a version directory of the adapter store {self.root}")
-        if p.is_symlink():
+        try:
+            mode = os.lstat(p).st_mode
+        except FileNotFoundError:
+            mode = 0
+        if stat.S_ISLNK(mode):
             raise AdapterCorruptError(f"adapter {p.name}: {p} is a symbolic link; "
                                       f"version directories are written by the store, never linked")
-        self._raise_if_vanished(p)
+        if not stat.S_ISDIR(mode):
+            self._raise_if_vanished(p)
         manifest = self._read_manifest(p)
         theirs = manifest.get("base_model", "")
         if self.base_model and theirs and theirs != self.base_model:
             # the same model may be named by different paths on different hosts: say so, don't refuse
             log.warning("adapter_base_model_differs", adapter=p.name, manifest=theirs, store=self.base_model)
         files: dict[str, str] = manifest["files"]
+        # one listing gives every file's type (no stat per file: each is a round trip on NFS)
+        try:
+            with os.scandir(p) as it:
+                present = {e.name: e for e in it}
+        except OSError as e:
+            self._raise_if_vanished(p)
+            raise AdapterCorruptError(f"adapter {p.name}: cannot list {p}: {_errno_text(e)}") from e
         for name, expected in sorted(files.items()):
-            fp = p / name
-            if fp.is_symlink():
+            entry = present.get(name)
+            if entry is not None and entry.is_symlink():
                 raise AdapterCorruptError(f"adapter {p.name}: {name} is a symbolic link, not a file the store wrote")
             try:
-                actual = _sha256_file(fp) if fp.is_file() else None
-            except FileNotFoundError:  # deleted between the check and the open: same as missing
+                actual = _sha256_file(entry.path) if entry is not None and entry.is_file(follow_symlinks=False) \
+                    else None
+            except FileNotFoundError:  # deleted between the listing and the open: same as missing
                 actual = None
             except OSError as e:
                 self._raise_if_vanished(p)
@@ -288,11 +302,6 @@ class AdapterStore:
             if actual != expected:
                 raise AdapterCorruptError(
                     f"adapter {p.name}: {name} sha256 is {actual[:12]}.. but the manifest says {expected[:12]}..")
-        try:
-            present = os.listdir(p)
-        except OSError as e:
-            self._raise_if_vanished(p)
-            raise AdapterCorruptError(f"adapter {p.name}: cannot list {p}: {_errno_text(e)}") from e
         for name in sorted(present):
             if name not in files and (name.endswith(".safetensors") or _is_pickle(name)):
                 raise AdapterCorruptError(f"adapter {p.name}: {name} is not listed in the manifest")
@@ -383,7 +392,7 @@ class AdapterStore:
                 tmp.mkdir()
                 stage = "writing the adapter files"
                 write(tmp)
-                stage = "hashing the adapter files"
+                stage = "hashing and syncing the adapter files"
                 files = self._hash_new_files(tmp)
                 digest = content_hash(files)
                 manifest = {"format": MANIFEST_FORMAT, "version": version, "kind": self.kind, "base_model": self.base_model,
@@ -393,9 +402,7 @@ class AdapterStore:
                     json.dump(manifest, f, indent=1, sort_keys=True)
                     f.flush()
                     os.fsync(f.fileno())
-                stage = "syncing the adapter files to disk"
-                for name in files:
-                    _fsync_file(tmp / name)
+                stage = "syncing the version directory to disk"
                 _fsync_dir(tmp)
                 crash_point("publish.before_rename")
                 stage = "renaming the temporary directory into place"
@@ -436,14 +443,18 @@ class AdapterStore:
             log.error("adapter_take_back_failed", path=str(final), error=str(e))
 
     def _hash_new_files(self, tmp: Path) -> dict[str, str]:
-        """Check what `write` produced and hash it: name -> sha256 of every file."""
-        names = sorted(os.listdir(tmp))
-        for name in names:
-            fp = tmp / name
-            if fp.is_symlink() or not fp.is_file():
-                raise StoreError(f"adapter files must be plain files at the top level of {tmp}; {name} is not")
-            if "\\" in name:  # the manifest refuses it on read, so it must not be published
-                raise StoreError(f"adapter file name {name!r} in {tmp} contains a backslash")
+        """Check what `write` produced, hash it and force it to disk: name -> sha256 of every file.
+
+        One directory listing gives every file's type (no stat per file) and each file is opened
+        once: on a shared filesystem every metadata operation is a round trip to the server."""
+        with os.scandir(tmp) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        names = [e.name for e in entries]
+        for entry in entries:
+            if entry.is_symlink() or not entry.is_file(follow_symlinks=False):
+                raise StoreError(f"adapter files must be plain files at the top level of {tmp}; {entry.name} is not")
+            if "\\" in entry.name:  # the manifest refuses it on read, so it must not be published
+                raise StoreError(f"adapter file name {entry.name!r} in {tmp} contains a backslash")
         pickles = [n for n in names if _is_pickle(n)]
         if pickles:
             raise StoreError(f"refusing to publish pickle files {pickles} in {tmp}: adapters are read only "
@@ -456,7 +467,7 @@ class AdapterStore:
                              f"a {self.kind} store publishes {'whole models' if self.kind == 'full' else 'LoRA adapters'}")
         if not any(n.endswith(".safetensors") for n in names):
             raise StoreError(f"refusing to publish {tmp}: no .safetensors file (found {names})")
-        return {name: _sha256_file(tmp / name) for name in names}
+        return {e.name: _sha256_file(e.path, sync=True) for e in entries}
 
     # --- waiting -------------------------------------------------------------------------
 

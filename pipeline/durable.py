@@ -40,11 +40,16 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes; a symbolic link is refused (OSError ELOOP), never followed."""
+def sha256_file(path: str | os.PathLike[str], *, sync: bool = False) -> str:
+    """Hex sha256 of a file's bytes; a symbolic link is refused (OSError ELOOP), never followed.
+
+    sync: also force the file's data to disk, through the same open file (one open, not two).
+    """
     h = hashlib.sha256()
     # O_NOFOLLOW: a file swapped for a symlink after it was checked still cannot be read through
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
+        if sync:
+            os.fsync(f.fileno())
     return h.hexdigest()

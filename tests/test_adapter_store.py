@@ -133,7 +133,7 @@ def write(d):
     save_file({"w": np.arange(6, dtype=np.float32)}, str(d / "adapter_model.safetensors"))
 
 if mode == "hash":
-    s._sha256_file = lambda path: block()
+    s._sha256_file = lambda path, **kw: block()
 elif mode == "before_rename":
     real_fsync_dir = s._fsync_dir
     def fsync_dir(path):
@@ -375,10 +375,11 @@ def fail_manifest_write(mp: pytest.MonkeyPatch, root: Path) -> None:
 
 
 def fail_file_fsync(mp: pytest.MonkeyPatch, root: Path) -> None:
-    def fsync_file(path: Path) -> None:
-        raise os_error(errno.EIO, str(path))
+    """Every fsync fails; an adapter file's is the first one a publish makes (as it hashes it)."""
+    def fsync(fd: int) -> None:
+        raise os_error(errno.EIO, f"fd {fd}")
 
-    mp.setattr(adapter_store, "_fsync_file", fsync_file)
+    mp.setattr(os, "fsync", fsync)
 
 
 def fail_rename(mp: pytest.MonkeyPatch, root: Path) -> None:
@@ -414,7 +415,7 @@ def disk_full_write(d: Path) -> None:
     (fail_tmp_mkdir, None, "creating the temporary directory", errno.EACCES, "writable by this user"),
     (None, disk_full_write, "writing the adapter files", errno.ENOSPC, "free space on the filesystem"),
     (fail_manifest_write, None, "writing the manifest", errno.ENOSPC, "free space on the filesystem"),
-    (fail_file_fsync, None, "syncing the adapter files to disk", errno.EIO, "check the filesystem"),
+    (fail_file_fsync, None, "hashing and syncing the adapter files", errno.EIO, "check the filesystem"),
     (fail_rename, None, "renaming the temporary directory into place", errno.EACCES, "writable by this user"),
     (fail_root_fsync, None, "syncing the store root to disk", errno.EIO, "check the filesystem"),
 ])
@@ -502,11 +503,11 @@ def test_a_version_deleted_while_its_files_are_hashed_is_not_found(tmp_path: Pat
     real = adapter_store._sha256_file
     calls = []
 
-    def sha256_file(path: Path) -> str:
-        calls.append(path.name)
+    def sha256_file(path: str, **kw: bool) -> str:
+        calls.append(os.path.basename(path))
         if len(calls) == 2:  # one file checked, the second about to be read
             AdapterStore(tmp_path).discard_after(0)
-        return real(path)
+        return real(path, **kw)
 
     monkeypatch.setattr(adapter_store, "_sha256_file", sha256_file)
     with pytest.raises(AdapterNotFoundError, match=rf"directory {re.escape(ref.path)} does not exist"):
