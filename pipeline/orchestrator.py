@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import operator
 import os
 import signal
@@ -82,7 +83,8 @@ from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter, read_json
 from pipeline.rewards import RewardFn, RewardScorer
 from pipeline.rollout_log import RolloutLog
 from pipeline.tasks import PromptSource, build_task
-from pipeline.types import AdapterRef, Batch, Generation, GroupOutcome, GroupRequest, Prompt, RolloutGroup
+from pipeline.types import (AdapterRef, Batch, Generation, GroupOutcome, GroupRequest, Prompt, RolloutGroup,
+                            TrainStats)
 
 log = structlog.get_logger(__name__)
 
@@ -140,6 +142,7 @@ class Pipeline:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         self.run_dir = Path(run_dir or cfg.out or f"runs/{stamp}")
         self.summary: dict[str, Any] = {}
+        # busy spans (monotonic start, end): one per engine call (its groups share it), one per step
         self.timeline: dict[str, list[tuple[float, float]]] = {"generation": [], "training": []}
         self.metrics_rows: list[dict[str, Any]] = []
 
@@ -852,9 +855,11 @@ class Pipeline:
         """Check, decode, score and buffer generated groups; each one that cannot be kept is settled."""
         cfg = self.config
         keep: list[tuple[Admission, Generation]] = []
+        spans = self.timeline["generation"]
         for adm, gen in items:
             crash_point("group.after_generate")
-            self.timeline["generation"].append((gen.t_start, gen.t_end))
+            if not spans or spans[-1] != (gen.t_start, gen.t_end):  # the groups of one call share theirs
+                spans.append((gen.t_start, gen.t_end))
             if gen.version != adm.version or len(gen.completions) != gen.request.n:
                 self._version_mismatches += gen.version != adm.version
                 log.error("generation_contract_broken", group_id=adm.group_id, engine=gen.engine,
@@ -1033,6 +1038,15 @@ class Pipeline:
         except TimeoutError:
             raise TrainerError(f"trainer {what} took longer than trainer.step_timeout_s = {timeout} s") from None
 
+    def _step_and_publish(self, batch: Batch) -> tuple[TrainStats, AdapterRef, float]:
+        """A training step, then the publish of the version it made, in one worker-thread call
+        (one thread hop a step, not two); returns the step's stats, the ref and the publish's seconds."""
+        stats = self.trainer.step(batch)
+        crash_point("step.after_train")
+        t_pub = time.monotonic()
+        ref = self.store.publish(stats.version, self.trainer.save_adapter)
+        return stats, ref, time.monotonic() - t_pub
+
     async def _checkpoint(self, step: int) -> None:
         """Write the checkpoint of `step`: trainer state and the ledger, with the log rows it covers."""
         if step == 0 or step == self.checkpoint_step:
@@ -1067,12 +1081,8 @@ class Pipeline:
             if self._checks_at(step):
                 check = await self._logprob_check(batch)
             with self.trainer_busy:
-                stats = await self._trainer_call(f"step {step}", self.trainer.step, batch)
-                crash_point("step.after_train")
-                t_pub = time.monotonic()
-                ref = await self._trainer_call(f"publish of version {stats.version}", self.store.publish,
-                                               stats.version, self.trainer.save_adapter)
-                publish_s = time.monotonic() - t_pub
+                stats, ref, publish_s = await self._trainer_call(f"step {step} and its publish",
+                                                                 self._step_and_publish, batch)
             self.timeline["training"].append((stats.t_start, time.monotonic()))
             self._adapters[ref.version] = ref
             self._publish_t[ref.version] = time.monotonic()
@@ -1180,12 +1190,14 @@ class Pipeline:
         wall = now - self._t_start
         stal = batch.staleness
         rewards = np.concatenate([g.rewards for g in batch.groups])
+        reward_mean = float(rewards.mean())
+        dev = rewards - reward_mean
         c = self.buffer.counts
         started, trained, dropped, failed = self._totals()
         row: dict[str, Any] = {
             "step": batch.step, "version": ref.version, "wall_s": self._wall0 + wall,
-            "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-            "staleness_max": int(max(stal)), "staleness_mean": float(np.mean(stal)),
+            "reward_mean": reward_mean, "reward_std": math.sqrt(float(dev @ dev) / dev.size),
+            "staleness_max": int(max(stal)), "staleness_mean": sum(stal) / len(stal),
             "groups": len(batch.groups), "tokens": batch.num_tokens,
             "rollout/started": started, "rollout/trained": trained, "rollout/in_flight": c.in_flight,
             "rollout/buffered": c.buffered, "rollout/dropped": sum(dropped.values()),

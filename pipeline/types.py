@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Mapping
 
 import numpy as np
@@ -70,6 +71,9 @@ class Completion:
             )
 
 
+_TOKEN_IDS = attrgetter("token_ids")
+
+
 @dataclass(slots=True)
 class Generation:
     """What an engine returns for one GroupRequest."""
@@ -83,7 +87,7 @@ class Generation:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
+        return sum(map(len, map(_TOKEN_IDS, self.completions)))
 
 
 @dataclass(slots=True)

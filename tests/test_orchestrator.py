@@ -73,7 +73,7 @@ def test_max_staleness_zero_serialises_generation_and_training(tmp_path):
     p, summary = run(sim_config(tmp_path, K=0, B=3, steps=6, latency=0.01, step_s=0.01))
     assert_accounted(p, summary)
     gens, trains = p.timeline["generation"], p.timeline["training"]
-    assert len(gens) == 18 and len(trains) == 6
+    assert 6 <= len(gens) <= 18 and len(trains) == 6  # a span per engine call, of 1 to B = 3 groups
     for gs, ge in gens:
         for ts, te in trains:
             assert ge <= ts or gs >= te, f"generation {gs, ge} overlaps training {ts, te}"
