@@ -18,15 +18,22 @@ def test_generate_many_gives_each_group_what_generate_gives_it() -> None:
                 enumerate([(4, 16, None), (4, 16, 7), (2, 5, None), (4, 16, None), (2, 5, 3)])]
     v2 = AdapterRef(2, "v2", None)
 
-    async def main() -> tuple[list, list, list]:
+    async def main() -> tuple[list, list, list, list]:
         engine = SimulatedEngine(SimulatedEngineConfig(latency_s=0.0, concurrency=0, completion_tokens=12), seed=5)
         await engine.start()
-        many = await engine.generate_many(requests, v2)
+        many = await engine.generate_many(requests, v2)  # two shapes: group by group
+        alike = [r for r in requests if r.n == 4]
+        gathered = await engine.generate_many(alike, v2)  # one shape: one gather for all
         one = [await engine.generate(r, v2) for r in requests]
         base = await engine.generate_many(requests, AdapterRef.base())
-        return many, one, base
+        return many, gathered, one, base
 
-    many, one, base = asyncio.run(main())
+    many, gathered, one, base = asyncio.run(main())
+    for g, o in zip(gathered, [o for o in one if o.request.n == 4]):
+        assert g.request is o.request
+        for cg, co in zip(g.completions, o.completions, strict=True):
+            np.testing.assert_array_equal(cg.token_ids, co.token_ids)
+            np.testing.assert_array_equal(cg.logprobs, co.logprobs)
     for m, o, b, r in zip(many, one, base, requests):
         assert len(m.completions) == r.n and m.version == 2
         for cm, co, cb in zip(m.completions, o.completions, b.completions):

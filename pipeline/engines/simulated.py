@@ -76,33 +76,48 @@ class SimulatedEngine:
 
     _POOL = 1 << 18  # synthetic values drawn once; groups take slices (a fresh RNG per group costs ~50 us)
 
-    def _synthesize(self, request: GroupRequest, version: int) -> tuple[Completion, ...]:
-        return self._synthesize_many([request], version)[0]
-
-    def _synthesize_many(self, requests: Sequence[GroupRequest], version: int) -> list[tuple[Completion, ...]]:
-        """Each request's completions: slices of the pool at an offset keyed on (group, version, seed).
-
-        Requests of one shape (n, tokens) are gathered with one indexing operation: the per-group
-        numpy calls cost more than the orchestration the overhead benchmark measures."""
-        if self._tokens is None:
+    def _pool(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._tokens is None or self._logprobs is None:
             rng = np.random.default_rng(self.seed)
             self._tokens = rng.integers(1, self.cfg.vocab_size, size=self._POOL, dtype=np.int64)
             # log-probs of a peaked-but-random policy: negative and finite
             self._logprobs = (-rng.exponential(1.0, size=self._POOL)).astype(np.float32)
-        shapes = {(r.n, min(self.cfg.completion_tokens, r.max_new_tokens)) for r in requests}
-        if len(shapes) > 1:
-            return [self._synthesize_many([r], version)[0] for r in requests]
-        if not requests:
-            return []
-        (n, T), = shapes
-        size = n * T
+        return self._tokens, self._logprobs
+
+    def _shape(self, request: GroupRequest) -> tuple[int, int, int]:
+        """(n, tokens per completion, pool offset) of a request: the offset is keyed on (group, version, seed)."""
+        T = min(self.cfg.completion_tokens, request.max_new_tokens)
+        size = request.n * T
         if size > self._POOL:
             raise ValueError(f"simulated groups hold at most {self._POOL} tokens, asked for {size}")
-        keys = [r.group_id * 2654435761 + version * 40503 + (r.seed or 0) * 977 for r in requests]
-        offsets = np.array([k % (self._POOL - size + 1) for k in keys], dtype=np.int64)
+        return request.n, T, size
+
+    @staticmethod
+    def _key(request: GroupRequest, version: int) -> int:
+        return request.group_id * 2654435761 + version * 40503 + (request.seed or 0) * 977
+
+    def _synthesize(self, request: GroupRequest, version: int) -> tuple[Completion, ...]:
+        """One request's completions: views of a slice of the pool."""
+        pool_tokens, pool_logprobs = self._pool()
+        n, T, size = self._shape(request)
+        off = self._key(request, version) % (self._POOL - size + 1)
+        tokens = pool_tokens[off:off + size].reshape(n, T)
+        logprobs = (pool_logprobs[off:off + size] - np.float32(0.01 * version)).reshape(n, T)
+        return tuple(Completion(tokens[i], logprobs[i], "length") for i in range(n))
+
+    def _synthesize_many(self, requests: Sequence[GroupRequest], version: int) -> list[tuple[Completion, ...]]:
+        """`_synthesize` for each request. Requests of one shape are gathered from the pool with one
+        indexing operation: per group, the numpy calls cost more than the orchestration the
+        overhead benchmark measures."""
+        if len(requests) < 2 or len({(r.n, r.max_new_tokens) for r in requests}) > 1:
+            return [self._synthesize(r, version) for r in requests]
+        n, T, size = self._shape(requests[0])
+        pool_tokens, pool_logprobs = self._pool()
+        span = self._POOL - size + 1
+        offsets = np.array([self._key(r, version) % span for r in requests], dtype=np.int64)
         at = offsets[:, None] + np.arange(size)  # [G, n * T] pool positions
-        tokens = self._tokens[at].reshape(-1, T)  # [G * n, T]
-        logprobs = (self._logprobs[at] - np.float32(0.01 * version)).reshape(-1, T)
+        tokens = pool_tokens[at].reshape(-1, T)  # [G * n, T]
+        logprobs = (pool_logprobs[at] - np.float32(0.01 * version)).reshape(-1, T)
         rows = list(map(Completion, tokens, logprobs, ["length"] * len(tokens)))
         return [tuple(rows[i:i + n]) for i in range(0, len(rows), n)]
 
