@@ -57,7 +57,9 @@ from typing import Any, Callable, Mapping
 import structlog
 
 from pipeline.durable import fsync_dir as _fsync_dir
+from pipeline.durable import read_file as _read_file
 from pipeline.durable import sha256_file as _sha256_file
+from pipeline.durable import write_synced as _write_synced
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, StoreError
 from pipeline.faults import crash_point
 from pipeline.types import AdapterRef
@@ -170,11 +172,23 @@ class AdapterStore:
 
     @staticmethod
     def _remove_tree(path: Path) -> None:
+        """Remove a directory (never following a link out of it) or a file.
+
+        A version directory is flat (publish takes plain files only): its files are unlinked
+        from one listing, a third of the system calls of shutil.rmtree; anything else goes
+        through rmtree."""
         try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
                 path.unlink()
+                return
+            with os.scandir(path) as it:
+                entries = list(it)
+            if any(e.is_dir(follow_symlinks=False) for e in entries):
+                shutil.rmtree(path)
+                return
+            for e in entries:
+                os.unlink(e.path)
+            os.rmdir(path)
         except OSError as e:
             raise StoreError(f"cannot remove {path}: {_errno_text(e)}; {_write_hint(e, path.parent)}") from e
 
@@ -321,7 +335,7 @@ class AdapterStore:
             raise AdapterError(f"{path} is not a version directory (name v<version>-<hash8>)")
         name, version, hash8 = path.name, int(m.group(1)), m.group(2)
         try:
-            raw = (path / MANIFEST).read_text()
+            raw = _read_file(path / MANIFEST)
         except FileNotFoundError as e:
             self._raise_if_vanished(path)
             raise AdapterCorruptError(f"adapter {name}: {MANIFEST} is missing") from e
@@ -330,7 +344,7 @@ class AdapterStore:
             raise AdapterCorruptError(f"adapter {name}: cannot read {MANIFEST}: {_errno_text(e)}") from e
         try:
             manifest = json.loads(raw)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise AdapterCorruptError(f"adapter {name}: {MANIFEST} is not valid JSON: {e}") from e
 
         def bad(what: str) -> AdapterCorruptError:
@@ -398,10 +412,7 @@ class AdapterStore:
                 manifest = {"format": MANIFEST_FORMAT, "version": version, "kind": self.kind, "base_model": self.base_model,
                             "created": time.time(), "files": files, "content_sha256": digest}
                 stage = "writing the manifest"
-                with open(tmp / MANIFEST, "w") as f:
-                    json.dump(manifest, f, indent=1, sort_keys=True)
-                    f.flush()
-                    os.fsync(f.fileno())
+                _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
                 stage = "syncing the version directory to disk"
                 _fsync_dir(tmp)
                 crash_point("publish.before_rename")

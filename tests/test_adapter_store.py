@@ -211,6 +211,26 @@ def test_open_removes_leftover_deletions(tmp_path: Path) -> None:
     assert not leftover.exists()
 
 
+def test_removal_never_follows_a_link_out_and_takes_nested_leftovers(tmp_path: Path) -> None:
+    # what open() cleans is not always a flat version directory: a link, a nested tree
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.safetensors").write_bytes(b"k")
+    root = tmp_path / "adapters"
+    root.mkdir()
+    (root / ".tmp-link").symlink_to(outside)
+    nested = root / ".tmp-v000002-abc"
+    (nested / "sub").mkdir(parents=True)
+    (nested / "sub" / "x.safetensors").write_bytes(b"x")
+    (nested / "link.safetensors").symlink_to(outside / "keep.safetensors")
+    flat = root / ".tmp-del-v000001-00000000-abc"
+    flat.mkdir()
+    (flat / "adapter_model.safetensors").symlink_to(outside / "keep.safetensors")
+    AdapterStore(root)
+    assert os.listdir(root) == []
+    assert (outside / "keep.safetensors").read_bytes() == b"k"
+
+
 # --- corruption ---------------------------------------------------------------------------
 
 
@@ -361,17 +381,12 @@ def fail_tmp_mkdir(mp: pytest.MonkeyPatch, root: Path) -> None:
 
 def fail_manifest_write(mp: pytest.MonkeyPatch, root: Path) -> None:
     """The disk fills up part way through the manifest: a partial manifest.json is on disk."""
-    real_open = open
+    def write_synced(path: Path, data: bytes) -> None:
+        assert Path(path).name == "manifest.json"
+        Path(path).write_bytes(data[:1])
+        raise os_error(errno.ENOSPC, str(path))
 
-    def fake_open(path, mode="r", *args, **kwargs):
-        f = real_open(path, mode, *args, **kwargs)
-        if Path(path).name == "manifest.json" and "w" in mode:
-            f.write("{")
-            f.close()
-            raise os_error(errno.ENOSPC, str(path))
-        return f
-
-    mp.setattr(adapter_store, "open", fake_open, raising=False)
+    mp.setattr(adapter_store, "_write_synced", write_synced)
 
 
 def fail_file_fsync(mp: pytest.MonkeyPatch, root: Path) -> None:
