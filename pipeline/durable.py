@@ -39,7 +39,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_synced(path: str | os.PathLike[str], data: bytes) -> None:
     """Write `data` to `path` and force it to disk (the directory entry needs `fsync_dir`)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # umask applies, as open()'s
     try:
         view = memoryview(data)
         while view:
