@@ -112,6 +112,18 @@ class StepResult:
     metrics: dict[str, Any]
 
 
+async def _settled(coros: list[Any]) -> list[Any]:
+    """Each coroutine's result or exception, in order, run concurrently: `gather(...,
+    return_exceptions=True)`, except that one coroutine is awaited in place (a task per engine
+    costs more than a simulated engine's load, twice a step)."""
+    if len(coros) != 1:
+        return await asyncio.gather(*coros, return_exceptions=True)
+    try:
+        return [await coros[0]]
+    except Exception as e:  # gather(return_exceptions=True) returns it; CancelledError still propagates
+        return [e]
+
+
 class Pipeline:
     """Asynchronous GRPO: engines generate while the trainer learns, under a staleness bound.
 
@@ -363,7 +375,7 @@ class Pipeline:
         while engines := [e for e in self._healthy if (e.name, self._epoch[e.name]) not in done]:
             epochs = [self._epoch[e.name] for e in engines]
             done.update((e.name, ep) for e, ep in zip(engines, epochs))
-            results = await asyncio.gather(*(self._load_one(e, ref) for e in engines), return_exceptions=True)
+            results = await _settled([self._load_one(e, ref) for e in engines])
             for e, epoch, r in zip(engines, epochs, results):
                 if isinstance(r, EngineDeadError):
                     self._engine_failed(e, r, epoch)  # a dead engine leaves the rotation; the others serve on
@@ -390,7 +402,7 @@ class Pipeline:
             async with asyncio.timeout(timeout):
                 await e.unload_adapter(ref)
 
-        results = await asyncio.gather(*(one(e) for e in engines), return_exceptions=True)
+        results = await _settled([one(e) for e in engines])
         for e, r in zip(engines, results):
             if isinstance(r, Exception):
                 log.warning("adapter_unload_failed", engine=e.name, adapter=ref.name, error=repr(r))
@@ -1100,7 +1112,8 @@ class Pipeline:
                       staleness_max=row["staleness_max"], wait_s=round(wait_s, 3),
                       train_s=round(stats.t_end - stats.t_start, 3))
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=row["staleness_max"], refresh=False)
+            if not bar.disable:  # formatting the postfix costs even when nothing is shown
+                bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=row["staleness_max"], refresh=False)
             skips = self.trainer.consecutive_skips
             if skips >= self.config.trainer.max_consecutive_skips:
                 await self._checkpoint(step)
