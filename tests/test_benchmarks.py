@@ -263,14 +263,19 @@ def test_overhead_reports_rates_costs_and_a_profile(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     runs.mkdir()
     rec = ov.main(["--quick", "--cpus", "0", "--group-sizes", "1,8", "--groups", "640", "--batch-groups", "32",
-                   "--out", str(tmp_path), "--dir", str(runs)])
+                   "--large-batch-groups", "64", "--repeats", "2", "--out", str(tmp_path), "--dir", str(runs)])
     data = read_json(rec["files"]["json"])
     fs = load("common").filesystem(runs)
     assert data["hardware"]["run_filesystem"] == fs and f"runs on {fs}" in data["printed"]
     assert data["settings"]["dir"] == str(runs) and list(runs.iterdir()) == []  # nothing left behind
     assert [r["group_size"] for r in data["results"]] == [1, 8]
+    assert [(r["batch_groups"], r["reward"]) for r in data["variants"]] == [
+        (8, "sync (thread)"), (32, "async"), (64, "sync (thread)")]  # small B, async reward, large B
+    assert data["target_n8_met_large_batch"] == (data["variants"][2]["groups_per_s"] >= 20_000)
     for r in data["results"] + data["variants"]:
         assert r["groups_per_s"] > 0 and r["cpu_us_per_group"] > 0
+        # the figures are those of the median run of the two (the lower one of two)
+        assert len(r["repeats_groups_per_s"]) == 2 and r["groups_per_s"] == min(r["repeats_groups_per_s"])
         assert r["loop_thread_cpu_us_per_group"] <= r["cpu_us_per_group"] * 1.05
         assert math.isclose(r["groups_per_s"] * r["us_per_group_wall"], 1e6, rel_tol=1e-6)
     assert data["target_n8_met"] == (data["results"][1]["groups_per_s"] >= 20_000)
