@@ -85,7 +85,7 @@ class SimulatedEngine:
         return self._tokens, self._logprobs
 
     def _shape(self, request: GroupRequest) -> tuple[int, int, int]:
-        """(n, tokens per completion, pool offset) of a request: the offset is keyed on (group, version, seed)."""
+        """(n, tokens per completion, tokens in all) of a request."""
         T = min(self.cfg.completion_tokens, request.max_new_tokens)
         size = request.n * T
         if size > self._POOL:
@@ -94,6 +94,7 @@ class SimulatedEngine:
 
     @staticmethod
     def _key(request: GroupRequest, version: int) -> int:
+        """What a group's place in the pool is drawn from: its id, the version and its seed."""
         return request.group_id * 2654435761 + version * 40503 + (request.seed or 0) * 977
 
     def _synthesize(self, request: GroupRequest, version: int) -> tuple[Completion, ...]:
