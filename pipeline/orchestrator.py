@@ -120,7 +120,11 @@ async def _settled(coros: list[Any]) -> list[Any]:
         return await asyncio.gather(*coros, return_exceptions=True)
     try:
         return [await coros[0]]
-    except Exception as e:  # gather(return_exceptions=True) returns it; CancelledError still propagates
+    except asyncio.CancelledError as e:
+        if asyncio.current_task().cancelling():  # we are being cancelled: gather would be too
+            raise
+        return [e]  # the coroutine's own cancellation: gather returns it as its result
+    except Exception as e:  # returned, as gather(return_exceptions=True) does
         return [e]
 
 

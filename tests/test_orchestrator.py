@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pipeline.config import load_config
 from pipeline.metrics import read_jsonl
-from pipeline.orchestrator import Pipeline
+from pipeline.orchestrator import Pipeline, _settled
 from pipeline.rollout_log import read_rollouts
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"prompt {i}", "token_ids": [1 + i % 50, 2, 3], "label": i} for i in range(40)]
@@ -290,3 +290,37 @@ def test_run_directory_layout(tmp_path):
     for key in ("step", "version", "reward_mean", "staleness_max", "staleness_mean", "groups", "tokens", "wall_s"):
         assert key in rows[0]
     assert np.isfinite(rows[-1]["reward_mean"])
+
+
+def test_settled_gives_what_gather_with_exceptions_gives_for_one_coroutine_or_many() -> None:
+    # _settled awaits a lone coroutine in place (engine loads, twice a step); the results must not differ
+    async def ok() -> int:
+        return 1
+
+    async def bad() -> int:
+        raise ValueError("bad")
+
+    async def own_cancel() -> int:
+        raise asyncio.CancelledError()
+
+    def kinds(results: list) -> list:
+        return [type(r) if isinstance(r, BaseException) else r for r in results]
+
+    async def main() -> None:
+        for makers in ([ok], [bad], [own_cancel], [ok, bad, own_cancel]):
+            ours = await _settled([m() for m in makers])
+            theirs = await asyncio.gather(*(m() for m in makers), return_exceptions=True)
+            assert kinds(ours) == kinds(theirs)
+        started = asyncio.Event()
+
+        async def slow() -> None:
+            started.set()
+            await asyncio.sleep(10)
+
+        task = asyncio.ensure_future(_settled([slow()]))
+        await started.wait()
+        task.cancel()  # the caller's cancellation is not turned into a result
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
