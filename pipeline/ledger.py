@@ -68,17 +68,13 @@ class Ledger:
 
     def set_state(self, gid: int, state: str) -> None:
         """A live state: in_flight, buffered or training."""
-        if state not in LIVE_STATES:
-            raise ValueError(f"{state!r} is not a live state; use settle() for {SETTLED_FATES}")
-        if self.is_settled(gid):
-            raise ValueError(f"group {gid} is already settled")
-        self._live[gid] = state
+        self.set_state_many([gid], state)
 
     def set_state_many(self, gids: list[int], state: str) -> None:
-        """`set_state` for several groups."""
+        """`set_state` for several groups: all of them, or none if one is refused."""
         if state not in LIVE_STATES:
             raise ValueError(f"{state!r} is not a live state; use settle() for {SETTLED_FATES}")
-        settled = [g for g in gids if g < self._settled_below or g in self._settled_above]
+        settled = [g for g in gids if self.is_settled(g)]
         if settled:
             raise ValueError(f"groups {settled} are already settled")
         self._live.update(dict.fromkeys(gids, state))
