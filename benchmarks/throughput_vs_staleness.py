@@ -5,6 +5,8 @@
     python benchmarks/throughput_vs_staleness.py --engine transformers  # tiny model, real LoRA trainer, CPU
     python benchmarks/throughput_vs_staleness.py --engine vllm --model-shape qwen2.5-0.5b \\
         --engine-device cuda:0 --trainer-device cuda:1                  # vLLM on one GPU, trainer on another
+    python benchmarks/throughput_vs_staleness.py --engine vllm --trainer sim \
+        --engine-device cuda:0 --trainer-device cuda:0                  # one GPU: what the pipeline costs vLLM
     python benchmarks/throughput_vs_staleness.py --update full          # full-weight updates instead of LoRA
 
 Every value of max_staleness (K) runs the same workload, seed and hardware in this process, and
@@ -27,6 +29,16 @@ How the figures are measured:
 - --update full: trainer.update = "full" (every weight trained, whole models published; engines
   hold one version, so each load waits for the groups in flight: "drain ms" is that wait per
   version). t_train then includes writing the whole model.
+- vLLM, "gen kept at the same depth": the same tokens per busy second over the engine alone
+  under the run's load (the pipeline at K keeps up to (K + 1) * B groups in flight on up to
+  K + 1 adapter versions): (K + 1) * B groups at once, round-robin over K + 1 of the real
+  trainer's adapters, the median of --repeats measured just before the run at K (this engine's
+  rate drifts by 10-20% over minutes).
+- --trainer sim (real engines): the real trainer is timed as usual, then every run trains with a
+  stand-in that sleeps that step time and publishes the real trainer's adapter again as each
+  version (copied: the store hashes and fsyncs real bytes, the engine loads real weights from
+  disk). The engine then sees what it sees with the trainer on another GPU, on one GPU. The
+  reward is not reported (nothing learns); the file name ends in _simtrainer before the hardware.
 - --engine sim takes its speeds from --gen-ratio (generator seconds per batch / trainer seconds
   per batch) and --train-step-s: the engine samples B groups at once (concurrency = B), each
   taking gen_ratio * train_step_s, and the trainer sleeps train_step_s per step.
@@ -42,6 +54,7 @@ import asyncio
 import gc
 import importlib.util
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -58,12 +71,13 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
-from pipeline.adapter_store import AdapterStore  # noqa: E402
+from pipeline.adapter_store import MANIFEST, AdapterStore  # noqa: E402
 from pipeline.config import RunConfig, load_config, parse_override  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.metrics import BusyMeter  # noqa: E402
 from pipeline.orchestrator import Pipeline  # noqa: E402
 from pipeline.rollout_log import read_rollouts  # noqa: E402
+from pipeline.trainer import SimulatedTrainer  # noqa: E402
 from pipeline.types import AdapterRef, Batch, Generation, GroupRequest, Prompt, RolloutGroup  # noqa: E402
 
 BENCHMARK = "throughput_vs_staleness"
@@ -115,6 +129,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--ratios", help="several ratios in one go, e.g. 3,1,0.33 (overrides --gen-ratio)")
     s.add_argument("--train-step-s", type=float, default=None, help="simulated trainer seconds per step (0.05)")
     m = p.add_argument_group("real engines (--engine transformers|vllm)")
+    m.add_argument("--trainer", choices=("peft", "sim"), default="peft",
+                   help="peft: the LoRA trainer (default). sim: a stand-in that trains nothing: each step "
+                        "sleeps as long as the real trainer's step took in the standalone measurement and "
+                        "publishes that trainer's adapter again as the next version (real files, store and "
+                        "engine loads). One GPU then measures what the pipeline costs the engine, as with "
+                        "the trainer on a second GPU (the trainer's own CPU use is left out)")
     m.add_argument("--trainer-process", choices=("yes", "no"), default="yes",
                    help="train in a child process (trainer.separate_process, the default); no: in a thread, "
                         "where the step's GIL time slows the event loop and the engine it drives")
@@ -222,6 +242,24 @@ def time_trainer(trainer: Any, groups: Sequence[RolloutGroup], store_root: Path,
             "t_train_all_s": [a + b for a, b in zip(steps, publishes)]}
 
 
+class ReplayTrainer(SimulatedTrainer):
+    """--trainer sim: trains nothing, and publishes a real trainer's adapter as every version.
+
+    Each step sleeps `step_s` (the real trainer's step, timed in the standalone measurement); each
+    version's files are copied from `template`, a version directory that trainer published, so
+    the store hashes and fsyncs as many bytes as a real publish and engines load real weights of
+    the real shapes from disk."""
+
+    def __init__(self, step_s: float, template: Path, update: str = "lora") -> None:
+        super().__init__(step_s, update=update)
+        self.template = Path(template)
+        self.files = sorted(e.name for e in os.scandir(self.template) if e.name != MANIFEST)
+
+    def save_adapter(self, directory: Path) -> None:
+        for name in self.files:
+            shutil.copyfile(self.template / name, Path(directory) / name)
+
+
 def busy_in(intervals: Sequence[tuple[float, float]], t0: float, t1: float) -> float:
     """Seconds of [t0, t1] covered by the (disjoint) busy intervals."""
     return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in intervals)
@@ -269,6 +307,10 @@ class Workload:
     async def standalone(self, scratch: Path) -> dict[str, Any]:
         raise NotImplementedError
 
+    async def alone_at_depth(self, K: int) -> dict[str, Any] | None:
+        """The engine alone under the run's load at max_staleness K (None: not measured for this engine)."""
+        return None
+
     async def after_run(self) -> None:
         """Bring what the next run shares with this one back to its starting state."""
         return None
@@ -313,7 +355,6 @@ class SimWorkload(Workload):
 
     async def standalone(self, scratch: Path) -> dict[str, Any]:
         from pipeline.engines.simulated import SimulatedEngine
-        from pipeline.trainer import SimulatedTrainer
 
         a = self.args
         cfg = self.config(0, scratch / "cfg")
@@ -359,14 +400,20 @@ class SimWorkload(Workload):
 
 
 class ModelWorkload(Workload):
-    """A real engine and the LoRA trainer on the built-in char_class task."""
-
-    reward_matters = True
+    """A real engine and the LoRA trainer (or, with --trainer sim, its replay) on the built-in char_class task."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__(args)
         self.model_path: Path | None = None
         self.tokenizer: Any = None
+        self.store_root: Path | None = None  # the versions the real trainer published while it was timed
+        self.template: Path | None = None  # the newest of them: what --trainer sim publishes
+        self.replay_step_s = 0.0  # the real trainer's step: what --trainer sim sleeps
+
+    @property
+    def reward_matters(self) -> bool:
+        """Only a trainer that learns makes the reward a figure (--trainer sim replays one adapter)."""
+        return self.args.trainer == "peft"
 
     async def prepare(self) -> None:
         from pipeline.models import build_model, load_tokenizer
@@ -382,14 +429,22 @@ class ModelWorkload(Workload):
                   "trainer.separate_process": a.trainer_process != "no"})
         if a.lr is not None:
             o["trainer.lr"] = a.lr
+        if a.trainer == "sim":  # the run's config records what trained (pipeline_kwargs passes the trainer)
+            o.update({"trainer.kind": "simulated", "trainer.step_s": self.replay_step_s})
         return o
+
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        if self.args.trainer == "peft":
+            return {}
+        return {"trainer": ReplayTrainer(self.replay_step_s, self.template, update=self.args.update)}
 
     def settings(self) -> dict[str, Any]:
         cfg = self.config(0, Path("unused"))
         return {"model_shape": self.args.model_shape, "model_path": str(self.model_path), "task": cfg.task.name,
                 "lr": cfg.trainer.lr, "lora_rank": cfg.trainer.lora_rank, "lora_alpha": cfg.trainer.lora_alpha,
                 "target_modules": list(cfg.trainer.target_modules), "loss": cfg.loss.correction,
-                "trainer_device": cfg.trainer.device, "trainer_dtype": cfg.trainer.dtype}
+                "trainer_device": cfg.trainer.device, "trainer_dtype": cfg.trainer.dtype,
+                "trainer": self.args.trainer, "replayed_step_s": self.replay_step_s if self.args.trainer == "sim" else None}
 
     def task_prompts(self, count: int) -> list[Prompt]:
         from pipeline.tasks import build_task
@@ -419,13 +474,18 @@ class ModelWorkload(Workload):
         from pipeline.trainer import LoRATrainer
 
         cfg = self.config(0, scratch / "cfg")
+        # the real trainer is timed with either --trainer: --trainer sim replays its step time and adapter
         trainer = LoRATrainer(self.model_path, cfg.trainer, cfg.loss, seed=self.args.seed, keep_versions=2)
+        self.store_root = scratch / "store"
         try:
-            return await asyncio.to_thread(time_trainer, trainer, groups, scratch / "store", self.args.repeats,
-                                           self.args.update)
+            tr = await asyncio.to_thread(time_trainer, trainer, groups, self.store_root, self.args.repeats,
+                                         self.args.update)
         finally:
             del trainer
             free_memory()
+        self.template = Path(AdapterStore(self.store_root, kind=self.args.update).latest().path)
+        self.replay_step_s = tr["t_train_step_s"]
+        return tr
 
 
 def free_memory() -> None:
@@ -521,7 +581,7 @@ class VLLMWorkload(ModelWorkload):
         print(f"vLLM started on {a.engine_device} in {self.engine_start_s:.1f} s", flush=True)
 
     def pipeline_kwargs(self) -> dict[str, Any]:
-        return {"engines": [self.engine]}
+        return {**super().pipeline_kwargs(), "engines": [self.engine]}
 
     async def standalone(self, scratch: Path) -> dict[str, Any]:
         a = self.args
@@ -533,21 +593,43 @@ class VLLMWorkload(ModelWorkload):
         for _ in range(a.repeats):
             runs.append(await self.engine.standalone_throughput([list(p.token_ids) for p in prompts[:G]],
                                                                 a.group_size, a.max_new_tokens))
-        # The pipeline at max_staleness K keeps up to (K + 1) * B groups in flight, and vLLM is
-        # faster with more sequences per batch: the engine alone at that depth is the fair limit.
-        by_depth = {}
-        deep = self.task_prompts((max(a.staleness_list) + 1) * a.batch_groups)
-        for K in a.staleness_list:
-            n = (K + 1) * a.batch_groups
-            r = await self.engine.standalone_throughput([list(p.token_ids) for p in deep[:n]], a.group_size,
-                                                        a.max_new_tokens)
-            by_depth[K] = {"groups": n, "tokens_per_s": r["tokens_per_s"], "seconds": r["seconds"]}
         tr = await self.time_lora_trainer(self.score(gens), scratch)
         seconds = statistics.median(r["seconds"] for r in runs)
         return {"t_gen_s": seconds * a.batch_groups / G, "t_gen_all_s": [r["seconds"] for r in runs],
-                "gen_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs), "groups": G,
-                "engine_start_s": self.engine_start_s, "graph_batch_max": self.engine.graph_batch_max,
-                "standalone_by_depth": by_depth, **tr}
+                "gen_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                "gen_tokens_per_s_all": [r["tokens_per_s"] for r in runs], "groups": G,
+                "engine_start_s": self.engine_start_s, "graph_batch_max": self.engine.graph_batch_max, **tr}
+
+    async def alone_at_depth(self, K: int) -> dict[str, Any]:
+        """The engine alone under the load the pipeline gives it at max_staleness K, just before that run.
+
+        The pipeline keeps up to (K + 1) * B groups in flight on up to K + 1 adapter versions, and
+        vLLM is faster with more sequences per batch: the engine alone with as many groups, spread
+        round-robin over as many of the real trainer's adapters (full weights: the one version an
+        engine holds, here the base), is the fair limit. Measured --repeats times, right before the
+        run: this engine's rate drifts by 10-20% over minutes, more than the gap being measured."""
+        a = self.args
+        n = (K + 1) * a.batch_groups
+        prompts = [list(p.token_ids) for p in self.task_prompts(n)]
+        adapters = await asyncio.to_thread(self.versions_for_depth, K + 1) if a.update == "lora" else []
+        runs = []
+        try:
+            for _ in range(a.repeats):
+                runs.append(await self.engine.standalone_throughput(prompts, a.group_size, a.max_new_tokens,
+                                                                    adapters=adapters))
+        finally:
+            await self.after_run()  # the run starts from the base model, as every run does
+        rates = [r["tokens_per_s"] for r in runs]
+        return {"groups": n, "adapters": len(adapters), "tokens_per_s": statistics.median(rates),
+                "tokens_per_s_all": rates, "seconds": [r["seconds"] for r in runs]}
+
+    def versions_for_depth(self, count: int) -> list[AdapterRef]:
+        """`count` adapter versions of the trainer's timing store (blocking): the newest ones it
+        published, topped up with copies of the newest when it published fewer."""
+        store = AdapterStore(self.store_root, kind="lora")
+        while len(store.versions()) < count:
+            store.publish(store.versions()[-1] + 1, ReplayTrainer(0.0, self.template).save_adapter)
+        return [store.ref(v) for v in store.versions()[-count:]]
 
     async def after_run(self) -> None:
         """Unload the finished run's adapters, so every run starts from the base model alone.
@@ -629,8 +711,9 @@ async def run_one(w: Workload, K: int, run_dir: Path) -> dict[str, Any]:
                            f"{cfg.pipeline.steps}, accounting_ok {s['accounting_ok']}, error {s['error']} "
                            f"(see {p.run_dir}/events.jsonl)")
     out = {"max_staleness": K, "steps": s["steps"], **window_figures(p, w.args.warmup_steps)}
-    # engine vs trainer log-probs of the groups the run's own checks recomputed (check/* rows)
-    checks = [row for row in p.metrics_rows if "check/mean_abs_diff" in row]
+    # engine vs trainer log-probs of the groups the run's own checks recomputed (check/* rows); a
+    # simulated trainer hands the engine's log-probs back, so there is nothing to compare
+    checks = [row for row in p.metrics_rows if "check/mean_abs_diff" in row] if w.reward_matters else []
     out["logprob_check"] = {k: float(np.mean([row[f"check/{k}"] for row in checks]))
                             for k in ("mean_abs_diff", "max_abs_diff", "kl") if checks and f"check/{k}" in checks[0]}
     p2l = np.asarray(list(p.publish_to_loaded.values()), dtype=np.float64) * 1000.0
@@ -667,6 +750,10 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
         st["ideal_speedup"] = ideal
         results = []
         for K in a.staleness_list:
+            if (depth := await w.alone_at_depth(K)) is not None:
+                st.setdefault("standalone_by_depth", {})[K] = depth
+                print(f"[{w.kind} {w.shape}] engine alone at max_staleness={K}'s depth ({depth['groups']} groups, "
+                      f"{depth['adapters']} adapters): {depth['tokens_per_s']:.0f} tokens/s", flush=True)
             t0 = time.perf_counter()
             r = await run_one(w, K, scratch / f"K{K}")
             results.append(r)
@@ -769,9 +856,11 @@ def describe(w: Workload) -> str:
     if isinstance(w, SimWorkload):
         return (f"sim: gen/train ratio {w.ratio:g} ({w.shape}), trainer step {a.train_step_s:g} s, "
                 f"engine latency {w.latency_s:g} s x concurrency {a.batch_groups}")
-    if a.update == "full":
-        return f"{w.kind}: model {a.model_shape}, full-weight updates"
-    return f"{w.kind}: model {a.model_shape}, LoRA rank {a.lora_rank}"
+    what = f"{w.kind}: model {a.model_shape}, " + ("full-weight updates" if a.update == "full" else
+                                                    f"LoRA rank {a.lora_rank}")
+    if a.trainer == "sim":
+        what += f", trainer simulated (sleeps the real step, {w.replay_step_s:.3f} s, publishes its adapter)"
+    return what
 
 
 async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> list[dict[str, Any]]:
@@ -792,7 +881,9 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
         machine_load = load.record()
         note = common.load_note(machine_load, hw["cpu_affinity"])
         full = "_full" if args.update == "full" else ""
-        name = f"{BENCHMARK}_{w.kind}_{w.shape}{full}_{common.hardware_tag(hw)}{'_quick' if args.quick else ''}"
+        sim_trainer = "_simtrainer" if w.kind != "sim" and args.trainer == "sim" else ""
+        name = (f"{BENCHMARK}_{w.kind}_{w.shape}{full}{sim_trainer}_{common.hardware_tag(hw)}"
+                f"{'_quick' if args.quick else ''}")
         st = res["standalone"]
         title = f"{describe(w)} | B={args.batch_groups} x n={args.group_size}, {args.steps} steps | " \
                 f"{common.hardware_tag(hw)}"
@@ -816,7 +907,9 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
                     lines.append(f"max_staleness={r['max_staleness']}: generation inside the pipeline keeps "
                                  f"{100 * r['gen_kept_of_standalone']:.1f}% of standalone tokens/s at one batch"
                                  + (f", {100 * same:.1f}% of the engine alone at the same depth "
-                                    f"({depth['groups']} groups: {depth['tokens_per_s']:.0f} tokens/s)"
+                                    f"({depth['groups']} groups on {depth['adapters']} adapters: median "
+                                    f"{depth['tokens_per_s']:.0f} tokens/s of "
+                                    f"{', '.join(f'{x:.0f}' for x in depth['tokens_per_s_all'])})"
                                     if same is not None else ""))
         if "checks" in res:
             c = res["checks"]

@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -242,12 +243,86 @@ def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_
                       "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path), "--model-cache",
                       str(model_cache)])
     [engine] = StandInVLLM.instances
-    assert engine.closed == 1 and loaded_after_runs == [(), ()]
+    # after each K's measurement of the engine alone, and after each run
+    assert engine.closed == 1 and loaded_after_runs == [(), (), (), ()]
     data = read_json(rec["files"]["json"])
     assert data["settings"]["max_loras"] == 1 + 2  # sized for the sweep's largest K
+    by_depth = data["standalone"]["standalone_by_depth"]
     for r in data["results"]:
+        K = r["max_staleness"]
         assert r["gen_kept_of_standalone"] > 0 and r["accounting_ok"]
-        assert f"max_staleness={r['max_staleness']}: generation inside the pipeline keeps" in data["printed"]
+        assert f"max_staleness={K}: generation inside the pipeline keeps" in data["printed"]
+        # the engine alone under run K's load: (K + 1) * B groups on K + 1 of the trainer's versions
+        depth = by_depth[str(K)]
+        assert (depth["groups"], depth["adapters"], len(depth["tokens_per_s_all"])) == ((K + 1) * 2, K + 1, 1)
+        assert r["gen_kept_of_standalone_same_depth"] == pytest.approx(r["gen_tokens_per_busy_s"]
+                                                                       / depth["tokens_per_s"])
+
+
+def test_replay_trainer_publishes_the_templates_files_as_every_version(tmp_path: Path) -> None:
+    from pipeline.adapter_store import MANIFEST, AdapterStore
+
+    tvs = load("throughput_vs_staleness")
+    template = tmp_path / "v3"
+    template.mkdir()
+    (template / "adapter_config.json").write_text('{"r": 16}')
+    (template / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (template / MANIFEST).write_text("{}")  # the template's own manifest is the store's, not copied
+    trainer = tvs.ReplayTrainer(0.0, template)
+    store = AdapterStore(tmp_path / "store")
+    refs = []
+    for step in (1, 2):
+        stats = trainer.step(tvs.Batch(step=step, version=trainer.version, groups=()))
+        refs.append(store.publish(stats.version, trainer.save_adapter))
+    assert [r.version for r in refs] == [1, 2]
+    for ref in refs:
+        out = Path(ref.path)
+        assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors", MANIFEST]
+        assert (out / "adapter_model.safetensors").read_bytes() == (template / "adapter_model.safetensors").read_bytes()
+        store.verify_dir(out)
+
+
+def test_vllm_sweep_with_the_simulated_trainer_replays_the_real_trainers_step_and_adapter(
+        tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # --trainer sim: the real trainer is timed, then every run's trainer sleeps its step and
+    # publishes its adapter; the engine loads those real files, and no reward is claimed
+    import torch
+
+    import pipeline.engines.vllm
+
+    tvs = load("throughput_vs_staleness")
+    StandInVLLM.instances.clear()
+    monkeypatch.setattr(pipeline.engines.vllm, "VLLMEngine", StandInVLLM)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(tvs, "vllm_missing", lambda *a: None)
+    loaded: dict[str, bytes] = {}  # path -> weights, read as the engine loads them (runs prune old versions)
+    load_adapter = StandInVLLM.load_adapter
+
+    async def spy(self, adapter) -> None:
+        await load_adapter(self, adapter)
+        if adapter.version:
+            loaded[adapter.path] = (Path(adapter.path) / "adapter_model.safetensors").read_bytes()
+
+    monkeypatch.setattr(StandInVLLM, "load_adapter", spy)
+    [rec] = tvs.main(["--engine", "vllm", "--trainer", "sim", "--quick", "--model-shape", "tiny",
+                      "--trainer-device", "cpu", "--trainer-dtype", "float32", "--steps", "4", "--batch-groups", "2",
+                      "--group-size", "4", "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path),
+                      "--model-cache", str(model_cache), "--keep-runs", str(tmp_path / "runs")])
+    assert "_simtrainer_" in Path(rec["files"]["json"]).name
+    data = read_json(rec["files"]["json"])
+    st, settings = data["standalone"], data["settings"]
+    assert settings["trainer"] == "sim" and settings["replayed_step_s"] == pytest.approx(st["t_train_step_s"])
+    assert "trainer simulated" in data["printed"] and "reward" not in data["table"]
+    # the engine alone was measured on versions the real trainer published; the runs load copies of its newest
+    trained = {p: w for p, w in loaded.items() if "/standalone/store/" in p}
+    in_runs = {p: w for p, w in loaded.items() if "/K0/" in p or "/K1/" in p}
+    assert trained and len(in_runs) >= 2 * 3 and len(trained) + len(in_runs) == len(loaded)
+    newest = max(trained, key=lambda p: Path(p).name)
+    assert all(w == trained[newest] for w in in_runs.values())
+    for r in data["results"]:
+        assert r["accounting_ok"] and r["logprob_check"] == {} and "reward_final" not in r
+        cfg = tomllib.loads((tmp_path / "runs" / "vllm-tiny" / f"K{r['max_staleness']}" / "config.toml").read_text())
+        assert cfg["trainer"]["kind"] == "simulated" and cfg["trainer"]["step_s"] == pytest.approx(st["t_train_step_s"])
 
 
 @pytest.mark.skipif(not Path("/proc/self/mounts").exists(), reason="reads Linux's mount table")
