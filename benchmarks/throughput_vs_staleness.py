@@ -19,8 +19,10 @@ How the figures are measured:
   max(t_gen, t_train): the speedup over K=0 that a perfect overlap of the two would reach.
 - In the sweep: groups/s and tokens/s are steady state, counted from the end of step
   --warmup-steps to the end of the last step. Busy fractions (union of each tier's busy
-  intervals) are over the same window; "gen kept" is the tokens the engine generated in the
-  window per second of its busy time, over its standalone tokens/s.
+  intervals) are over the same window, the generator's up to the end of the run's last
+  generation (after it the engines have no work left while the last steps train); "gen kept"
+  is the tokens the engine generated in the window per second of its busy time, over its
+  standalone tokens/s.
 - train gap: the trainer tier's mean idle time between one step's publish and the next step
   (waiting for a batch, plus the train loop's own bookkeeping).
 - speedup = groups/s at K / groups/s at K=0. Staleness, event-loop lag and publish-to-loaded
@@ -662,6 +664,10 @@ def window_figures(p: Pipeline, warmup: int) -> dict[str, Any]:
     groups = sum(r["groups"] for r in rows[warmup:])
     tokens = sum(r["tokens"] for r in rows[warmup:])
     gen_busy = float(np.mean([busy_in(list(e.busy.intervals), t0, t1) for e in p.engines]))
+    # Once the run's last group is generated the engines have nothing left to do while the last
+    # steps train: the generator's busy fraction stops there (else it reads low by a step or more)
+    gen_end = min(t1, max((b for e in p.engines for _, b in e.busy.intervals), default=t1))
+    gen_span = gen_end - t0 if gen_end > t0 else span
     # tokens the engines generated in the window: every group whose generation ended in it
     r = read_rollouts(p.run_dir / "rollouts.zarr")
     tok_len = r.completions["tok_len"].astype(np.int64)
@@ -679,7 +685,8 @@ def window_figures(p: Pipeline, warmup: int) -> dict[str, Any]:
     return {
         "window_s": span, "window_groups": groups,
         "groups_per_s": groups / span, "tokens_per_s": tokens / span,
-        "busy_generator": gen_busy / span, "busy_trainer": busy_fraction(p.trainer_busy, t0, t1),
+        "busy_generator": gen_busy / gen_span, "busy_trainer": busy_fraction(p.trainer_busy, t0, t1),
+        "generator_window_s": gen_span,
         "gen_tokens_in_window": gen_tokens,
         "gen_tokens_per_busy_s": gen_tokens / gen_busy if gen_busy > 0 else None,
         "staleness_hist": {int(v): int(c) for v, c in zip(values, counts)},

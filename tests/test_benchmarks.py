@@ -92,6 +92,8 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
         assert r["staleness_max"] <= r["max_staleness"]
         assert sum(r["staleness_hist"].values()) == r["steps"] * data["settings"]["batch_groups"]
         assert 0 < r["busy_generator"] <= 1.0 and 0 < r["busy_trainer"] <= 1.0
+        # the generator's fraction stops at the last generation: the last step trains after it
+        assert r["window_s"] - r["generator_window_s"] >= 0.5 * st["t_train_step_s"]
         assert r["groups_per_s"] > 0 and r["tokens_per_s"] > r["groups_per_s"]
         assert r["loop_lag_p99_ms"] >= 0 and r["publish_to_loaded_ms_mean"] > 0
         # every group ran at the simulated engine's own speed
