@@ -23,6 +23,10 @@ How the figures are measured:
   generation (after it the engines have no work left while the last steps train); "gen kept"
   is the tokens the engine generated in the window per second of its busy time, over its
   standalone tokens/s.
+- Generator idle: the times in that window when no engine had work, each second put down to
+  what the pipeline was doing: a group started but not yet running on its engine (vLLM:
+  loading its adapter), a group admitted but not yet started, or nothing admitted (admission
+  waited for room: the staleness bound holds the generator until the trainer's next version).
 - train gap: the trainer tier's mean idle time between one step's publish and the next step
   (waiting for a batch, plus the train loop's own bookkeeping).
 - speedup = groups/s at K / groups/s at K=0. Staleness, event-loop lag and publish-to-loaded
@@ -269,6 +273,39 @@ def busy_in(intervals: Sequence[tuple[float, float]], t0: float, t1: float) -> f
 
 def busy_fraction(meter: BusyMeter, t0: float, t1: float) -> float:
     return busy_in(list(meter.intervals), t0, t1) / max(t1 - t0, 1e-12)
+
+
+def merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals, as sorted disjoint intervals."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def generator_idle(busy: Sequence[tuple[float, float]], admitted: np.ndarray, started: np.ndarray,
+                   ended: np.ndarray, t0: float, t1: float) -> dict[str, float]:
+    """When no engine had work in [t0, t1], and what the pipeline was doing meanwhile.
+
+    busy: the engines' busy intervals; admitted/started/ended: each generated group's admission,
+    generate() call and result times. Each idle second is one of: a group was started but not
+    yet running on its engine (vLLM: loading its adapter; the simulated engine: its queue); a
+    group was admitted but not yet started (the pipeline's own latency); or nothing was admitted
+    (admission had no room: the staleness bound waits for the trainer's next version)."""
+    runs = merged([(max(a, t0), min(b, t1)) for a, b in busy if b > t0 and a < t1])
+    edges = [t0, *(x for run in runs for x in run), t1]
+    gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b > a]
+    ok = np.isfinite(admitted) & np.isfinite(started) & np.isfinite(ended)
+    in_engine = merged(list(zip(started[ok], ended[ok])))
+    in_pipeline = merged(list(zip(admitted[ok], ended[ok])))
+    idle = sum(b - a for a, b in gaps)
+    waiting_in_engine = sum(busy_in(in_engine, a, b) for a, b in gaps)
+    not_started = sum(busy_in(in_pipeline, a, b) for a, b in gaps) - waiting_in_engine
+    return {"idle_s": idle, "gaps": len(gaps), "started_not_running_s": waiting_in_engine,
+            "admitted_not_started_s": not_started, "nothing_admitted_s": idle - waiting_in_engine - not_started}
 
 
 # ====================================================================== workloads
@@ -670,6 +707,8 @@ def window_figures(p: Pipeline, warmup: int) -> dict[str, Any]:
     gen_span = gen_end - t0 if gen_end > t0 else span
     # tokens the engines generated in the window: every group whose generation ended in it
     r = read_rollouts(p.run_dir / "rollouts.zarr")
+    idle = generator_idle([iv for e in p.engines for iv in e.busy.intervals], r.groups["t_admitted"],
+                          r.groups["t_gen_start"], r.groups["t_gen_end"], t0, t0 + gen_span)
     tok_len = r.completions["tok_len"].astype(np.int64)
     gen_tokens = 0
     for end, off, cnt in zip(r.groups["t_gen_end"], r.groups["comp_off"], r.groups["comp_count"]):
@@ -686,7 +725,7 @@ def window_figures(p: Pipeline, warmup: int) -> dict[str, Any]:
         "window_s": span, "window_groups": groups,
         "groups_per_s": groups / span, "tokens_per_s": tokens / span,
         "busy_generator": gen_busy / gen_span, "busy_trainer": busy_fraction(p.trainer_busy, t0, t1),
-        "generator_window_s": gen_span,
+        "generator_window_s": gen_span, "generator_idle": idle,
         "gen_tokens_in_window": gen_tokens,
         "gen_tokens_per_busy_s": gen_tokens / gen_busy if gen_busy > 0 else None,
         "staleness_hist": {int(v): int(c) for v, c in zip(values, counts)},
@@ -918,6 +957,14 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
                                     f"{depth['tokens_per_s']:.0f} tokens/s of "
                                     f"{', '.join(f'{x:.0f}' for x in depth['tokens_per_s_all'])})"
                                     if same is not None else ""))
+        for r in res["results"]:
+            g = r["generator_idle"]
+            if g["gaps"]:
+                lines.append(f"max_staleness={r['max_staleness']}: no engine had work for {g['idle_s']:.3f} s of "
+                             f"{r['generator_window_s']:.2f} s ({g['gaps']} gaps): nothing admitted "
+                             f"{g['nothing_admitted_s']:.3f} s (admission waited for a version), admitted but "
+                             f"not started {g['admitted_not_started_s']:.3f} s, started but not running "
+                             f"{g['started_not_running_s']:.3f} s (adapter load or engine queue)")
         if "checks" in res:
             c = res["checks"]
             lines.append(f"check: {c['expected_limit']}-limited expected; at the largest K the generator is "

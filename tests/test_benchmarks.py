@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -94,11 +95,32 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
         assert 0 < r["busy_generator"] <= 1.0 and 0 < r["busy_trainer"] <= 1.0
         # the generator's fraction stops at the last generation: the last step trains after it
         assert r["window_s"] - r["generator_window_s"] >= 0.5 * st["t_train_step_s"]
+        # its idle time, gap by gap, is the rest of that window, every second put down to one cause
+        idle = r["generator_idle"]
+        assert idle["idle_s"] == pytest.approx((1 - r["busy_generator"]) * r["generator_window_s"], abs=1e-6)
+        assert idle["idle_s"] == pytest.approx(idle["nothing_admitted_s"] + idle["admitted_not_started_s"]
+                                               + idle["started_not_running_s"])
+        assert min(idle["nothing_admitted_s"], idle["admitted_not_started_s"], idle["started_not_running_s"]) >= -1e-9
         assert r["groups_per_s"] > 0 and r["tokens_per_s"] > r["groups_per_s"]
         assert r["loop_lag_p99_ms"] >= 0 and r["publish_to_loaded_ms_mean"] > 0
         # every group ran at the simulated engine's own speed
         assert 0.8 < r["gen_kept_of_standalone"] < 1.25
     assert k0["staleness_max"] == 0 and k1["staleness_mean"] > 0
+
+
+def test_generator_idle_puts_each_idle_second_down_to_what_the_groups_were_doing() -> None:
+    tvs = load("throughput_vs_staleness")
+    nan = float("nan")
+    # busy 1-2 and 3-4 in a window 0-5; group a: admitted 0.5, started 0.8, generated until 2;
+    # group b: admitted and started at 2.5 (waits for its adapter until 3); c never generated
+    admitted, started, ended = (np.array(x) for x in ([0.5, 2.5, 0.1], [0.8, 2.5, nan], [2.0, 4.0, nan]))
+    idle = tvs.generator_idle([(3.0, 4.0), (1.0, 2.0)], admitted, started, ended, 0.0, 5.0)
+    assert idle["gaps"] == 3 and idle["idle_s"] == pytest.approx(3.0)
+    assert idle["admitted_not_started_s"] == pytest.approx(0.3)  # a: 0.5-0.8
+    assert idle["started_not_running_s"] == pytest.approx(0.2 + 0.5)  # a: 0.8-1, b: 2.5-3
+    assert idle["nothing_admitted_s"] == pytest.approx(0.5 + 0.5 + 1.0)  # 0-0.5, 2-2.5, 4-5
+    # busy throughout: nothing idle
+    assert tvs.generator_idle([(0.0, 5.0)], admitted, started, ended, 0.0, 5.0)["idle_s"] == 0.0
 
 
 def test_full_weight_sweep_reports_the_drain(tmp_path: Path) -> None:
