@@ -5,7 +5,7 @@
     python benchmarks/throughput_vs_staleness.py --engine transformers  # tiny model, real LoRA trainer, CPU
     python benchmarks/throughput_vs_staleness.py --engine vllm --model-shape qwen2.5-0.5b \\
         --engine-device cuda:0 --trainer-device cuda:1                  # vLLM on one GPU, trainer on another
-    python benchmarks/throughput_vs_staleness.py --engine vllm --trainer sim \
+    python benchmarks/throughput_vs_staleness.py --engine vllm --trainer sim \\
         --engine-device cuda:0 --trainer-device cuda:0                  # one GPU: what the pipeline costs vLLM
     python benchmarks/throughput_vs_staleness.py --update full          # full-weight updates instead of LoRA
 
