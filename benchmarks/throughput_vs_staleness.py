@@ -32,6 +32,9 @@ How the figures are measured:
 - speedup = groups/s at K / groups/s at K=0. Staleness, event-loop lag and publish-to-loaded
   latency cover the whole run; for real engines the reward is the mean over the last fifth of
   the steps (every K trains the same number of samples).
+- The event loop's lag with nothing else to do (the same 10 ms timer, 3 s after the standalone
+  measurements; 1 s with --quick) is printed as the floor under the lag column: timer
+  granularity and the machine's own scheduling noise.
 - --update full: trainer.update = "full" (every weight trained, whole models published; engines
   hold one version, so each load waits for the groups in flight: "drain ms" is that wait per
   version). t_train then includes writing the whole model.
@@ -792,6 +795,7 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
     try:
         print(f"[{w.kind} {w.shape}] standalone rates ...", flush=True)
         st = await w.standalone(scratch / "standalone")
+        st["idle_loop_lag"] = await common.idle_loop_lag(1.0 if a.quick else 3.0)
         ideal = (st["t_gen_s"] + st["t_train_s"]) / max(st["t_gen_s"], st["t_train_s"])
         st["ideal_speedup"] = ideal
         results = []
@@ -940,6 +944,9 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
             f"(step {st['t_train_step_s']:.4f} + publish {st['t_publish_s']:.4f}) -> ideal speedup "
             f"{st['ideal_speedup']:.3f}",
         ]
+        idle = st["idle_loop_lag"]
+        lines.append(f"event loop with nothing to do, on this machine: lag p99 {idle['p99_ms']:.2f} ms (max "
+                     f"{idle['max_ms']:.2f}): the floor under the lag column")
         if "sync_step_s" in res:
             lines.append(f"sync baseline: {res['sync_step_s']:.4f} s per step, {res['sync_step_overhead_s']:.4f} s "
                          "beyond t_gen + t_train")

@@ -80,6 +80,10 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
     st = data["standalone"]
     assert st["t_gen_s"] > 0 and st["t_train_s"] >= st["t_train_step_s"] > 0
     assert 1.0 <= st["ideal_speedup"] <= 2.0
+    # the idle loop's own lag, 1 s of a 10 ms timer: the floor printed under the lag column
+    idle = st["idle_loop_lag"]
+    assert 50 <= idle["samples"] <= 100 and 0 <= idle["p50_ms"] <= idle["p99_ms"] <= idle["max_ms"]
+    assert "the floor under the lag column" in data["printed"]
     assert math.isclose(st["ideal_speedup"], (st["t_gen_s"] + st["t_train_s"]) / max(st["t_gen_s"], st["t_train_s"]))
     # the simulated generator is shaped as asked: B groups take one latency, 2B take two
     c = data["checks"]
