@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import os
 import pstats
 import sys
@@ -54,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
 from pipeline.config import load_config  # noqa: E402
-from pipeline.orchestrator import Pipeline  # noqa: E402
+from pipeline.orchestrator import Pipeline, quiet_gc, restore_gc  # noqa: E402
 
 BENCHMARK = "overhead"
 TARGET_GROUPS_PER_S = 20_000  # the issue's target with n=8 on one core
@@ -122,14 +121,11 @@ async def components(n: int, tokens: int, groups: int, B: int, tmp: Path) -> dic
     completions kept here cost more in collections than the work measured."""
     from pipeline.config import PipelineConfig
 
-    before = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(PipelineConfig().gc_threshold, *before[1:])
+    before = quiet_gc(PipelineConfig().gc_threshold)
     try:
         return await _components(n, tokens, groups, B, tmp)
     finally:
-        gc.set_threshold(*before)
-        gc.unfreeze()
+        restore_gc(before)
 
 
 async def _components(n: int, tokens: int, groups: int, B: int, tmp: Path) -> dict[str, Any]:

@@ -112,6 +112,25 @@ class StepResult:
     metrics: dict[str, Any]
 
 
+def quiet_gc(threshold: int) -> tuple[int, ...]:
+    """The collector as a run sets it: what exists now is frozen out of it, and a young pass comes
+    every `threshold` allocations. Returns the thresholds before, for `restore_gc`.
+
+    Each group allocates thousands of small acyclic objects (token lists, completions); a
+    young-generation pass every 700 allocations, and full passes over everything set-up built
+    (the model, the tokenizer), cost the overhead benchmark 15-40 us a group."""
+    before = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(threshold, *before[1:])
+    return before
+
+
+def restore_gc(before: tuple[int, ...]) -> None:
+    """Undo `quiet_gc`: its thresholds back, and the frozen objects collectable again."""
+    gc.set_threshold(*before)
+    gc.unfreeze()
+
+
 async def _settled(coros: list[Any]) -> list[Any]:
     """Each coroutine's result or exception, in order, run concurrently: `gather(...,
     return_exceptions=True)`, except that one coroutine is awaited in place (a task per engine
@@ -516,13 +535,7 @@ class Pipeline:
             self._switch_before = sys.getswitchinterval()
             sys.setswitchinterval(self.config.pipeline.switch_interval_ms / 1000)
         if self.config.pipeline.gc_threshold:
-            # Each group allocates thousands of small acyclic objects (token lists, completions);
-            # a young-generation pass every 700 allocations, and full passes over everything set-up
-            # built (the model, the tokenizer), cost the overhead benchmark 15-40 us a group.
-            # What set-up built is frozen out of the collector; both are undone at the end.
-            self._gc_before = gc.get_threshold()
-            gc.freeze()
-            gc.set_threshold(self.config.pipeline.gc_threshold, *self._gc_before[1:])
+            self._gc_before = quiet_gc(self.config.pipeline.gc_threshold)  # undone at the end
         self.lag.start()
         self._t_start = time.monotonic()
         # engines may have served earlier runs: this run's busy time counts from here
@@ -1278,8 +1291,7 @@ class Pipeline:
         if self._switch_before is not None:
             sys.setswitchinterval(self._switch_before)
         if self._gc_before is not None:
-            gc.set_threshold(*self._gc_before)
-            gc.unfreeze()
+            restore_gc(self._gc_before)
         if self._user_trainer is None and self.trainer is not None:
             await asyncio.to_thread(self.trainer.close)
         if self._built_engines:
