@@ -317,7 +317,7 @@ def generator_idle(busy: Sequence[tuple[float, float]], admitted: np.ndarray, st
 class Workload:
     """One engine kind's workload: its config per K, its standalone rates, what the Pipeline is given."""
 
-    reward_matters = False
+    learns = False  # a trainer that learns: its reward and its log-prob check are figures of the run
     kind = ""
 
     def __init__(self, args: argparse.Namespace) -> None:
@@ -453,8 +453,9 @@ class ModelWorkload(Workload):
         self.replay_step_s = 0.0  # the real trainer's step: what --trainer sim sleeps
 
     @property
-    def reward_matters(self) -> bool:
-        """Only a trainer that learns makes the reward a figure (--trainer sim replays one adapter)."""
+    def learns(self) -> bool:
+        """The LoRA trainer learns; --trainer sim replays one adapter, so neither the reward nor a
+        log-prob check (it hands the engine's log-probs back) is a figure."""
         return self.args.trainer == "peft"
 
     async def prepare(self) -> None:
@@ -760,9 +761,8 @@ async def run_one(w: Workload, K: int, run_dir: Path) -> dict[str, Any]:
                            f"{cfg.pipeline.steps}, accounting_ok {s['accounting_ok']}, error {s['error']} "
                            f"(see {p.run_dir}/events.jsonl)")
     out = {"max_staleness": K, "steps": s["steps"], **window_figures(p, w.args.warmup_steps)}
-    # engine vs trainer log-probs of the groups the run's own checks recomputed (check/* rows); a
-    # simulated trainer hands the engine's log-probs back, so there is nothing to compare
-    checks = [row for row in p.metrics_rows if "check/mean_abs_diff" in row] if w.reward_matters else []
+    # engine vs trainer log-probs of the groups the run's own checks recomputed (check/* rows)
+    checks = [row for row in p.metrics_rows if "check/mean_abs_diff" in row] if w.learns else []
     out["logprob_check"] = {k: float(np.mean([row[f"check/{k}"] for row in checks]))
                             for k in ("mean_abs_diff", "max_abs_diff", "kl") if checks and f"check/{k}" in checks[0]}
     p2l = np.asarray(list(p.publish_to_loaded.values()), dtype=np.float64) * 1000.0
@@ -780,7 +780,7 @@ async def run_one(w: Workload, K: int, run_dir: Path) -> dict[str, Any]:
         "groups_dropped": s["groups_dropped"], "groups_failed": s["groups_failed"],
         "accounting_ok": s["accounting_ok"], "torch_threads": run_threads,
     })
-    if w.reward_matters:
+    if w.learns:
         out.update({"reward_final": float(np.mean(rewards[-tail:])), "reward_mean": float(np.mean(rewards)),
                     "reward_curve": rewards, "samples": s["groups_trained"] * cfg.sampling.n})
     del p
@@ -950,7 +950,7 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
         if "sync_step_s" in res:
             lines.append(f"sync baseline: {res['sync_step_s']:.4f} s per step, {res['sync_step_overhead_s']:.4f} s "
                          "beyond t_gen + t_train")
-        tbl = render_table(res, w.reward_matters)
+        tbl = render_table(res, w.learns)
         lines.append(tbl)
         if isinstance(w, VLLMWorkload):
             for r in res["results"]:
