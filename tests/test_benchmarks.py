@@ -245,10 +245,8 @@ def test_vllm_depth_measures_every_setting_and_depth_on_the_adapters(tmp_path: P
     assert [(r["max_num_seqs"], r["max_cudagraph_capture_size"]) for r in data["settings"].values()] == [(64, 0), (32, 16)]
 
 
-def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_cache: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    # the vLLM path's plumbing with a stand-in engine: one engine for every run, never closed by a
-    # Pipeline, no adapter of one run left loaded for the next, the standalone rate from its own API
+def stand_in_sweep(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The sweep script with StandInVLLM in place of vLLM (no GPU)."""
     import torch
 
     import pipeline.engines.vllm
@@ -258,6 +256,21 @@ def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_
     monkeypatch.setattr(pipeline.engines.vllm, "VLLMEngine", StandInVLLM)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)  # the config names "cuda:0"; nothing uses it
     monkeypatch.setattr(tvs, "vllm_missing", lambda *a: None)
+    return tvs
+
+
+def stand_in_argv(tmp_path: Path, model_cache: Path, *extra: str) -> list[str]:
+    """A short --engine vllm sweep of the tiny model (K = 0 and 1), its LoRA trainer on the CPU."""
+    return ["--engine", "vllm", "--quick", "--model-shape", "tiny", "--trainer-device", "cpu", "--trainer-dtype",
+            "float32", "--steps", "4", "--batch-groups", "2", "--group-size", "4", "--max-new-tokens", "8",
+            "--repeats", "1", "--out", str(tmp_path), "--model-cache", str(model_cache), *extra]
+
+
+def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_cache: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # the vLLM path's plumbing with a stand-in engine: one engine for every run, never closed by a
+    # Pipeline, no adapter of one run left loaded for the next, the standalone rate from its own API
+    tvs = stand_in_sweep(monkeypatch)
     loaded_after_runs: list[tuple[str, ...]] = []
     after_run = tvs.VLLMWorkload.after_run
 
@@ -266,10 +279,7 @@ def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_
         loaded_after_runs.append(self.engine.loaded_adapters)
 
     monkeypatch.setattr(tvs.VLLMWorkload, "after_run", spy)
-    [rec] = tvs.main(["--engine", "vllm", "--quick", "--model-shape", "tiny", "--trainer-device", "cpu",
-                      "--trainer-dtype", "float32", "--steps", "4", "--batch-groups", "2", "--group-size", "4",
-                      "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path), "--model-cache",
-                      str(model_cache)])
+    [rec] = tvs.main(stand_in_argv(tmp_path, model_cache))
     [engine] = StandInVLLM.instances
     # after each K's measurement of the engine alone, and after each run
     assert engine.closed == 1 and loaded_after_runs == [(), (), (), ()]
@@ -314,15 +324,7 @@ def test_vllm_sweep_with_the_simulated_trainer_replays_the_real_trainers_step_an
         tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # --trainer sim: the real trainer is timed, then every run's trainer sleeps its step and
     # publishes its adapter; the engine loads those real files, and no reward is claimed
-    import torch
-
-    import pipeline.engines.vllm
-
-    tvs = load("throughput_vs_staleness")
-    StandInVLLM.instances.clear()
-    monkeypatch.setattr(pipeline.engines.vllm, "VLLMEngine", StandInVLLM)
-    monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    monkeypatch.setattr(tvs, "vllm_missing", lambda *a: None)
+    tvs = stand_in_sweep(monkeypatch)
     loaded: dict[str, bytes] = {}  # path -> weights, read as the engine loads them (runs prune old versions)
     load_adapter = StandInVLLM.load_adapter
 
@@ -332,10 +334,7 @@ def test_vllm_sweep_with_the_simulated_trainer_replays_the_real_trainers_step_an
             loaded[adapter.path] = (Path(adapter.path) / "adapter_model.safetensors").read_bytes()
 
     monkeypatch.setattr(StandInVLLM, "load_adapter", spy)
-    [rec] = tvs.main(["--engine", "vllm", "--trainer", "sim", "--quick", "--model-shape", "tiny",
-                      "--trainer-device", "cpu", "--trainer-dtype", "float32", "--steps", "4", "--batch-groups", "2",
-                      "--group-size", "4", "--max-new-tokens", "8", "--repeats", "1", "--out", str(tmp_path),
-                      "--model-cache", str(model_cache), "--keep-runs", str(tmp_path / "runs")])
+    [rec] = tvs.main(stand_in_argv(tmp_path, model_cache, "--trainer", "sim", "--keep-runs", str(tmp_path / "runs")))
     assert "_simtrainer_" in Path(rec["files"]["json"]).name
     data = read_json(rec["files"]["json"])
     st, settings = data["standalone"], data["settings"]
