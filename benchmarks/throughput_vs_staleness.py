@@ -27,6 +27,9 @@ How the figures are measured:
   what the pipeline was doing: a group started but not yet running on its engine (vLLM:
   loading its adapter), a group admitted but not yet started, or nothing admitted (admission
   waited for room: the staleness bound holds the generator until the trainer's next version).
+- gen depth: the mean number of groups the engines held (from the generate() call to its
+  result) while they held any, over the generator's window. The staleness bound caps it at
+  (K + 1) * B; an engine that decodes deeper batches faster (vLLM) is faster at larger K for it.
 - train gap: the trainer tier's mean idle time between one step's publish and the next step
   (waiting for a batch, plus the train loop's own bookkeeping).
 - speedup = groups/s at K / groups/s at K=0. Staleness, event-loop lag and publish-to-loaded
@@ -309,6 +312,16 @@ def generator_idle(busy: Sequence[tuple[float, float]], admitted: np.ndarray, st
     not_started = sum(busy_in(in_pipeline, a, b) for a, b in gaps) - waiting_in_engine
     return {"idle_s": idle, "gaps": len(gaps), "started_not_running_s": waiting_in_engine,
             "admitted_not_started_s": not_started, "nothing_admitted_s": idle - waiting_in_engine - not_started}
+
+
+def mean_depth(started: np.ndarray, ended: np.ndarray, t0: float, t1: float) -> float | None:
+    """Mean number of groups the engines held (from generate() call to result) over the seconds of
+    [t0, t1] in which they held any: how deep the batches the engines ran were. None if none."""
+    ok = np.isfinite(started) & np.isfinite(ended)
+    a, b = np.clip(started[ok], t0, t1), np.clip(ended[ok], t0, t1)
+    held = float((b - a).sum())
+    busy = sum(y - x for x, y in merged([(x, y) for x, y in zip(a, b) if y > x]))
+    return held / busy if busy > 0 else None
 
 
 # ====================================================================== workloads
@@ -713,6 +726,7 @@ def window_figures(p: Pipeline, warmup: int) -> dict[str, Any]:
     r = read_rollouts(p.run_dir / "rollouts.zarr")
     idle = generator_idle([iv for e in p.engines for iv in e.busy.intervals], r.groups["t_admitted"],
                           r.groups["t_gen_start"], r.groups["t_gen_end"], t0, t0 + gen_span)
+    depth = mean_depth(r.groups["t_gen_start"], r.groups["t_gen_end"], t0, t0 + gen_span)
     tok_len = r.completions["tok_len"].astype(np.int64)
     gen_tokens = 0
     for end, off, cnt in zip(r.groups["t_gen_end"], r.groups["comp_off"], r.groups["comp_count"]):
@@ -729,7 +743,7 @@ def window_figures(p: Pipeline, warmup: int) -> dict[str, Any]:
         "window_s": span, "window_groups": groups,
         "groups_per_s": groups / span, "tokens_per_s": tokens / span,
         "busy_generator": gen_busy / gen_span, "busy_trainer": busy_fraction(p.trainer_busy, t0, t1),
-        "generator_window_s": gen_span, "generator_idle": idle,
+        "generator_window_s": gen_span, "generator_idle": idle, "gen_depth_groups": depth,
         "gen_tokens_in_window": gen_tokens,
         "gen_tokens_per_busy_s": gen_tokens / gen_busy if gen_busy > 0 else None,
         "staleness_hist": {int(v): int(c) for v, c in zip(values, counts)},
@@ -836,7 +850,7 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
 
 def render_table(res: dict[str, Any], reward: bool) -> str:
     headers = ["K", "groups/s", "tokens/s", "speedup", "ideal", "gen busy", "train busy", "stale mean",
-               "stale max", "lag p99 ms", "pub->load ms", "train gap ms", "gen kept"]
+               "stale max", "lag p99 ms", "pub->load ms", "train gap ms", "gen depth", "gen kept"]
     drain = any(r.get("drain_ms_mean") is not None for r in res["results"])
     if drain:
         headers.append("drain ms")
@@ -847,7 +861,7 @@ def render_table(res: dict[str, Any], reward: bool) -> str:
         row = [r["max_staleness"], r["groups_per_s"], r["tokens_per_s"], r["speedup"], r["ideal"],
                r["busy_generator"], r["busy_trainer"], r["staleness_mean"], r["staleness_max"],
                r["loop_lag_p99_ms"], r["publish_to_loaded_ms_mean"], r["trainer_gap_ms_mean"],
-               r["gen_kept_of_standalone"]]
+               r["gen_depth_groups"], r["gen_kept_of_standalone"]]
         if drain:
             row.append(r.get("drain_ms_mean"))
         if reward:

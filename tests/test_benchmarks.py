@@ -107,6 +107,9 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
         assert min(idle["nothing_admitted_s"], idle["admitted_not_started_s"], idle["started_not_running_s"]) >= -1e-9
         assert r["groups_per_s"] > 0 and r["tokens_per_s"] > r["groups_per_s"]
         assert r["loop_lag_p99_ms"] >= 0 and r["publish_to_loaded_ms_mean"] > 0
+        # the engines held at least a wave at a time, never more than the staleness bound lets live
+        B = data["settings"]["batch_groups"]
+        assert 0.5 * B <= r["gen_depth_groups"] <= (r["max_staleness"] + 1) * B
         # every group ran at the simulated engine's own speed
         assert 0.8 < r["gen_kept_of_standalone"] < 1.25
     assert k0["staleness_max"] == 0 and k1["staleness_mean"] > 0
@@ -125,6 +128,19 @@ def test_generator_idle_puts_each_idle_second_down_to_what_the_groups_were_doing
     assert idle["nothing_admitted_s"] == pytest.approx(0.5 + 0.5 + 1.0)  # 0-0.5, 2-2.5, 4-5
     # busy throughout: nothing idle
     assert tvs.generator_idle([(0.0, 5.0)], admitted, started, ended, 0.0, 5.0)["idle_s"] == 0.0
+
+
+def test_mean_depth_is_groups_held_per_second_of_holding_any() -> None:
+    tvs = load("throughput_vs_staleness")
+    nan = float("nan")
+    # in the window 0-10: a holds 1-5, b 3-5, c 8-9 (and before the window), d never generated
+    started, ended = np.array([1.0, 3.0, -2.0, nan]), np.array([5.0, 5.0, 9.0, nan])
+    # held: 4 + 2 + 9 group-seconds (c clipped to 0-9); some group was held during 0-9 (c spans
+    # a and b), 9 s
+    assert tvs.mean_depth(started, ended, 0.0, 10.0) == pytest.approx((4 + 2 + 9) / 9)
+    # without c: 6 group-seconds over 4 s held
+    assert tvs.mean_depth(started[:2], ended[:2], 0.0, 10.0) == pytest.approx(6 / 4)
+    assert tvs.mean_depth(started[3:], ended[3:], 0.0, 10.0) is None
 
 
 def test_full_weight_sweep_reports_the_drain(tmp_path: Path) -> None:
