@@ -93,6 +93,7 @@ from pipeline.trainer import SimulatedTrainer  # noqa: E402
 from pipeline.types import AdapterRef, Batch, Generation, GroupRequest, Prompt, RolloutGroup  # noqa: E402
 
 BENCHMARK = "throughput_vs_staleness"
+SIM_TRAIN_STEP_S = 0.05  # the simulated trainer's default seconds per step: the sweep shows its curve in seconds
 REWARD_WINDOW = 5  # the reward is averaged over the last 1/REWARD_WINDOW of the steps
 STANDALONE_IDS = 10**9  # group ids of standalone requests, far from any run's
 RATIO_NAMES = {3.0: "gen3x-slower", 1.0: "balanced", 0.33: "gen3x-faster"}
@@ -139,7 +140,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--gen-ratio", type=float, default=1.0,
                    help="generator seconds per batch / trainer seconds per batch (3 = generator 3x slower)")
     s.add_argument("--ratios", help="several ratios in one go, e.g. 3,1,0.33 (overrides --gen-ratio)")
-    s.add_argument("--train-step-s", type=float, default=None, help="simulated trainer seconds per step (0.05)")
+    s.add_argument("--train-step-s", type=float, default=None,
+                   help=f"simulated trainer seconds per step ({SIM_TRAIN_STEP_S}; another value adds _step<s>s to "
+                        "the file name)")
     m = p.add_argument_group("real engines (--engine transformers|vllm)")
     m.add_argument("--trainer", choices=("peft", "sim"), default="peft",
                    help="peft: the LoRA trainer (default). sim: a stand-in that trains nothing: each step "
@@ -177,8 +180,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.group_size = q.get("group_size", 8)
     if args.warmup_steps is None:
         args.warmup_steps = q.get("warmup_steps", 2)
+    args.default_train_step_s = q.get("train_step_s", SIM_TRAIN_STEP_S)
     if args.train_step_s is None:
-        args.train_step_s = q.get("train_step_s", 0.05)
+        args.train_step_s = args.default_train_step_s
     if args.model_shape is None:
         args.model_shape = d["model_shape"]
     if args.lora_rank is None:
@@ -946,7 +950,10 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
         note = common.load_note(machine_load, hw["cpu_affinity"])
         full = "_full" if args.update == "full" else ""
         sim_trainer = "_simtrainer" if w.kind != "sim" and args.trainer == "sim" else ""
-        name = (f"{BENCHMARK}_{w.kind}_{w.shape}{full}{sim_trainer}_{common.hardware_tag(hw)}"
+        # a simulated sweep at another step time is another result, not a rerun of the default's
+        step_s = f"_step{args.train_step_s:g}s" \
+            if w.kind == "sim" and args.train_step_s != args.default_train_step_s else ""
+        name = (f"{BENCHMARK}_{w.kind}_{w.shape}{full}{step_s}{sim_trainer}_{common.hardware_tag(hw)}"
                 f"{'_quick' if args.quick else ''}")
         st = res["standalone"]
         title = f"{describe(w)} | B={args.batch_groups} x n={args.group_size}, {args.steps} steps | " \

@@ -76,7 +76,7 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
     [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0,1", "--out", str(tmp_path)])
     data = read_json(rec["files"]["json"])
     assert Path(rec["files"]["png"]).stat().st_size > 10_000
-    assert "sim_balanced" in Path(rec["files"]["json"]).name
+    assert "sim_balanced" in Path(rec["files"]["json"]).name and "_step" not in Path(rec["files"]["json"]).name
     st = data["standalone"]
     assert st["t_gen_s"] > 0 and st["t_train_s"] >= st["t_train_step_s"] > 0
     assert 1.0 <= st["ideal_speedup"] <= 2.0
@@ -113,6 +113,13 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
         # every group ran at the simulated engine's own speed
         assert 0.8 < r["gen_kept_of_standalone"] < 1.25
     assert k0["staleness_max"] == 0 and k1["staleness_mean"] > 0
+
+
+def test_simulated_sweep_at_another_step_time_is_named_for_it(tmp_path: Path) -> None:
+    tvs = load("throughput_vs_staleness")
+    [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0", "--train-step-s", "0.03", "--out", str(tmp_path)])
+    assert Path(rec["files"]["json"]).name.startswith("throughput_vs_staleness_sim_balanced_step0.03s_")
+    assert read_json(rec["files"]["json"])["standalone"]["t_train_step_s"] == pytest.approx(0.03, rel=0.5)
 
 
 def test_generator_idle_puts_each_idle_second_down_to_what_the_groups_were_doing() -> None:
