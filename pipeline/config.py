@@ -184,6 +184,23 @@ class VLLMEngineConfig:
 
 
 @dataclass(frozen=True)
+class VLLMServerEngineConfig:
+    """vLLM servers (`vllm serve`, OpenAI-compatible HTTP) started by you, on this or other hosts."""
+
+    urls: tuple[str, ...] = ()  # one engine per server, e.g. ["http://gpu-host-1:8000"]
+    model: str = ""  # the base model's name on the servers; "" = the one each server lists
+    api_key_env: str = ""  # name of an environment variable holding the servers' --api-key; "" = none
+    max_loaded_adapters: int = 0  # adapters registered on a server at once; 0 = max_staleness + 2
+
+    def __post_init__(self) -> None:
+        for i, url in enumerate(self.urls):
+            _check(url.startswith(("http://", "https://")) and len(url) > len("https://"),
+                   f"engine.vllm_server.urls[{i}]", 'a server URL like "http://host:8000"', url)
+        _check(len(set(self.urls)) == len(self.urls), "engine.vllm_server.urls", "distinct servers", self.urls)
+        _check(self.max_loaded_adapters >= 0, "engine.vllm_server.max_loaded_adapters", ">= 0", self.max_loaded_adapters)
+
+
+@dataclass(frozen=True)
 class SimulatedEngineConfig:
     """A model-free engine with a set speed, for tests and benchmarks."""
 
@@ -211,8 +228,8 @@ class SimulatedEngineConfig:
 class EngineConfig:
     """Which engines generate, and where."""
 
-    kind: Literal["transformers", "vllm", "simulated"] = "transformers"  # which engine generates
-    devices: tuple[str, ...] = ("cpu",)  # one engine per entry; repeat a GPU to put two engines on it
+    kind: Literal["transformers", "vllm", "vllm_server", "simulated"] = "transformers"  # which engine generates
+    devices: tuple[str, ...] = ("cpu",)  # one engine per entry; repeat a GPU to put two engines on it (not vllm_server)
     request_timeout_s: float = 600.0  # a generate call that takes longer is cancelled and retried
     retries: int = 2  # a generate call that raises or times out is retried this many times, then failed
     retry_backoff_s: float = 0.5  # wait before retry r: retry_backoff_s * 2**r
@@ -223,6 +240,7 @@ class EngineConfig:
     load_timeout_s: float = 120.0  # an adapter load that takes longer is an error
     transformers: TransformersEngineConfig = field(default_factory=TransformersEngineConfig)
     vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    vllm_server: VLLMServerEngineConfig = field(default_factory=VLLMServerEngineConfig)
     simulated: SimulatedEngineConfig = field(default_factory=SimulatedEngineConfig)
 
     def __post_init__(self) -> None:
@@ -240,6 +258,13 @@ class EngineConfig:
         if self.kind == "vllm":
             for i, d in enumerate(self.devices):
                 _check(d.startswith("cuda:"), f"engine.devices[{i}]", 'a GPU ("cuda:N") for the vLLM engine', d)
+        if self.kind == "vllm_server" and self.devices != ("cpu",):
+            raise ConfigError('engine.devices does not apply to engine.kind = "vllm_server": each server runs on the '
+                              "GPUs it was started on, one engine per engine.vllm_server.urls entry; leave it out")
+        if self.kind == "vllm_server" and not self.vllm_server.urls:
+            raise ConfigError('engine.kind = "vllm_server" needs engine.vllm_server.urls: the servers to use, '
+                              'e.g. ["http://gpu-host-1:8000"] (start each with `vllm serve MODEL --enable-lora` '
+                              "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
 
 
 @dataclass(frozen=True)
@@ -389,6 +414,9 @@ class RunConfig:
                 "the policy's own); use temperature = 1, top_p = 1, top_k = 0, min_p = 0 and no penalties, "
                 'or set loss.correction = "none"'
             )
+        if self.engine.kind == "vllm_server" and self.trainer.update == "full":
+            raise ConfigError('trainer.update = "full" is not supported by engine.kind = "vllm_server" (a server '
+                              'reloads LoRA adapters at run time, not whole weights); use engine.kind = "vllm"')
         if self.engine.kind == "vllm" and self.engine.vllm.max_lora_rank < self.trainer.lora_rank:
             raise ConfigError(f"engine.vllm.max_lora_rank ({self.engine.vllm.max_lora_rank}) must be >= "
                               f"trainer.lora_rank ({self.trainer.lora_rank}), or vLLM cannot load the adapters")

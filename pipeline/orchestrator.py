@@ -471,6 +471,11 @@ class Pipeline:
         full = self._full_weights
         offset = 1009 * self.start_step  # a resumed run samples afresh, not the first session's draws
         engines: list[Engine] = []
+        if cfg.engine.kind == "vllm_server":  # servers someone else started: one engine per URL
+            from pipeline.engines.vllm_server import VLLMServerEngine
+
+            return [VLLMServerEngine(url, sampling=cfg.sampling, cfg=cfg.engine.vllm_server, max_staleness=K,
+                                     name=f"vllm-server-{i}") for i, url in enumerate(cfg.engine.vllm_server.urls)]
         for i, dev in enumerate(cfg.engine.devices):
             if cfg.engine.kind == "simulated":
                 from pipeline.engines.simulated import SimulatedEngine

@@ -196,6 +196,8 @@ class Harness:
     recompute: Recomputer | None = None
     prompt_rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     next_group: int = 0
+    closers: list[Callable[[], Any]] = field(default_factory=list)  # run after the engine closes (servers)
+    server: Any = None  # vllm_server kinds: the stub (CPU) or the `vllm serve` process (GPU)
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -212,7 +214,7 @@ class Harness:
     def dlogprob_ok(self, gen: Generation, version: int) -> tuple[bool, str]:
         assert self.recompute is not None
         d = abs_dlogprob(gen, self.recompute(version, gen))
-        if self.kind == "vllm":
+        if self.kind in ("vllm", "vllm_server_gpu"):
             return bool(d.mean() < VLLM_MEAN_ABS_DLOGPROB), f"mean |d| {d.mean():.4f} (max {d.max():.4f})"
         return bool(d.max() < TRANSFORMERS_MAX_ABS_DLOGPROB), f"max |d| {d.max():.2e}"
 
@@ -260,19 +262,123 @@ def _vllm(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
                    recompute=Recomputer(model_path, adapters, "cuda:0"))
 
 
+def _vllm_server(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
+    """The HTTP engine against a stand-in for `vllm serve` that samples with the transformers engine."""
+    from vllm_server_stub import VLLMServerStub
+
+    from pipeline.config import VLLMServerEngineConfig
+    from pipeline.engines.vllm_server import VLLMServerEngine
+
+    inner = _transformers(loop, tmp)
+    stub = VLLMServerStub(inner.engine, model_name="tiny")
+    url = loop.run_until_complete(stub.start())
+    engine = VLLMServerEngine(url, sampling=SamplingConfig(), cfg=VLLMServerEngineConfig(urls=(url,)),
+                              max_staleness=MAX_STALENESS, name="vllm-server-contract")
+    loop.run_until_complete(engine.start())
+    return Harness("vllm_server", loop, engine, inner.adapters, long_tokens=inner.long_tokens,
+                   recompute=inner.recompute, server=stub,
+                   closers=[stub.close, inner.engine.close])
+
+
+def _vllm_server_gpu(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
+    """The HTTP engine against a real `vllm serve` of the "small" model on cuda:0 (eager, LoRA at run time)."""
+    from pipeline.config import VLLMServerEngineConfig
+    from pipeline.engines.vllm_server import VLLMServerEngine
+    from pipeline.models import build_model
+
+    model_path = build_model("small", tmp / "models")
+    server = VLLMServeProcess(model_path, tmp / "vllm-serve.log")
+    try:
+        url = server.start()
+        engine = VLLMServerEngine(url, sampling=SamplingConfig(), cfg=VLLMServerEngineConfig(urls=(url,)),
+                                  max_staleness=MAX_STALENESS, name="vllm-server-gpu-contract")
+        loop.run_until_complete(engine.start())
+        adapters = publish_adapters(model_path, tmp / "adapters", (1, 2, 3), rank=16, b_std=0.05, device="cuda:0")
+    except BaseException:
+        loop.run_until_complete(server.stop())
+        raise
+    return Harness("vllm_server_gpu", loop, engine, adapters, long_tokens=1500,
+                   recompute=Recomputer(model_path, adapters, "cuda:0"), server=server, closers=[server.stop])
+
+
+class VLLMServeProcess:
+    """`python -m vllm.entrypoints.openai.api_server` in a child process, with adapters loadable at run time."""
+
+    def __init__(self, model_path: Path, log_path: Path, *, port: int = 0, gpu_memory_utilization: float = 0.3,
+                 max_lora_rank: int = 16, extra: Sequence[str] = ()) -> None:
+        self.model_path, self.log_path = model_path, log_path
+        self.port = port or _free_port()
+        self.args = ["--model", str(model_path), "--port", str(self.port), "--host", "127.0.0.1",
+                     "--gpu-memory-utilization", str(gpu_memory_utilization), "--enforce-eager",
+                     "--max-model-len", "2048", "--max-num-seqs", "256", "--enable-lora",
+                     "--max-lora-rank", str(max_lora_rank), "--max-loras", "4", *extra]
+        self.proc: Any = None
+
+    def start(self, timeout_s: float = 600.0) -> str:
+        """Start the server and wait until /health answers; its URL."""
+        import os
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "CUDA_VISIBLE_DEVICES":
+               os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.args],
+                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; its log: {self.log_path}:\n"
+                                   + self.log_path.read_text(errors="replace")[-3000:])
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return url
+            except OSError:  # not listening yet
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"vllm serve did not answer /health within {timeout_s} s; its log: {self.log_path}")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                await asyncio.to_thread(self.proc.wait, 60)
+            except Exception:  # did not stop on SIGTERM: nothing left to be polite about
+                self.proc.kill()
+                await asyncio.to_thread(self.proc.wait)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 BUILDERS: dict[str, Callable[[asyncio.AbstractEventLoop, Path], Harness]] = {
-    "simulated": _simulated, "transformers": _transformers, "vllm": _vllm}
+    "simulated": _simulated, "transformers": _transformers, "vllm": _vllm, "vllm_server": _vllm_server,
+    "vllm_server_gpu": _vllm_server_gpu}
 ENGINES = [
     pytest.param("simulated", id="simulated"),
     pytest.param("transformers", id="transformers"),
+    pytest.param("vllm_server", id="vllm_server"),
     pytest.param("vllm", id="vllm", marks=[pytest.mark.gpu, *VLLM_WARNING_FILTERS]),
+    pytest.param("vllm_server_gpu", id="vllm_server_gpu", marks=[pytest.mark.gpu, *VLLM_WARNING_FILTERS]),
 ]
 
 
 @pytest.fixture(scope="module", params=ENGINES)
 def h(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     kind = request.param
-    if kind == "vllm" and (reason := vllm_unavailable()):
+    if kind in ("vllm", "vllm_server_gpu") and (reason := vllm_unavailable()):
         pytest.skip(reason)
     loop = asyncio.new_event_loop()
     harness = None
@@ -282,6 +388,8 @@ def h(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) 
     finally:
         if harness is not None:
             harness.run(harness.engine.close())
+            for close in harness.closers:
+                harness.run(close())
         close_loop(loop)
 
 
@@ -299,6 +407,17 @@ async def until_busy(engine: Any, timeout_s: float = 30.0) -> None:
         if loop.time() > deadline:
             raise AssertionError(f"engine did not start the request within {timeout_s} s")
         await asyncio.sleep(0.002)
+
+
+def requests_running(url: str) -> float:
+    """vLLM's `vllm:num_requests_running` gauge, summed over its label sets, from the server's /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_running")]
+    assert lines, "the server's /metrics has no vllm:num_requests_running"
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
 def cancelled_count(engine: Any) -> int:
@@ -382,6 +501,7 @@ def test_old_version_serves_a_group_in_flight(h: Harness) -> None:
 def test_cancel_aborts_the_request(h: Harness) -> None:
     async def scenario() -> None:
         before = cancelled_count(h.engine)
+        aborted_before = h.server.aborted if h.kind == "vllm_server" else 0
         task = asyncio.get_running_loop().create_task(
             h.engine.generate(h.request(n=16, max_new_tokens=h.long_tokens), h.adapters[1]))
         await until_busy(h.engine)
@@ -397,6 +517,10 @@ def test_cancel_aborts_the_request(h: Harness) -> None:
         assert h.engine.busy.busy_total() == idle, "the engine kept working after the cancel"
         if h.kind == "vllm":
             assert h.engine.unfinished_requests == 0
+        if h.kind == "vllm_server":  # the server saw its client go and stopped sampling
+            assert h.server.aborted == aborted_before + 1
+        if h.kind == "vllm_server_gpu":  # vLLM's own gauge: nothing left running on the server
+            assert await asyncio.to_thread(requests_running, h.engine.url) == 0
         gen = await h.engine.generate(h.request(n=2, max_new_tokens=8), h.adapters[1])
         assert gen.version == 1 and len(gen.completions) == 2
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pipeline.errors import AdapterCorruptError, AdapterNotFoundError
+from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Generation, GroupRequest
 
@@ -64,6 +64,13 @@ class Engine(Protocol):
     async def close(self) -> None:
         """Abort what is running and free the engine's resources. Safe to call twice."""
         ...
+
+
+def check_same_adapter(held: AdapterRef, asked: AdapterRef, how: str = "loaded") -> None:
+    """Refuse an adapter name asked for as another version or directory than the one `held` under it."""
+    if held.version != asked.version or held.path != asked.path:
+        raise AdapterError(f"adapter name {asked.name!r} is {how} as version {held.version} from {held.path!r} but "
+                           f"was asked for as version {asked.version} from {asked.path!r}; adapter names must be unique")
 
 
 def same_version(held: AdapterRef | None, asked: AdapterRef) -> bool:

@@ -77,7 +77,7 @@ import structlog
 
 from pipeline.config import SamplingConfig, VLLMEngineConfig
 from pipeline.devices import ENV_LOCK, visible_devices
-from pipeline.engines.base import check_model_dir, held_versions, same_version
+from pipeline.engines.base import check_model_dir, check_same_adapter, held_versions, same_version
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
@@ -672,10 +672,7 @@ class VLLMEngine:
             self._remove_soon(entry)
 
     def _check_same(self, entry: _Adapter, adapter: AdapterRef) -> None:
-        if entry.ref.version != adapter.version or entry.ref.path != adapter.path:
-            raise AdapterError(f"adapter name {adapter.name!r} is loaded as version {entry.ref.version} from "
-                               f"{entry.ref.path!r} but was asked for as version {adapter.version} from "
-                               f"{adapter.path!r}; adapter names must be unique")
+        check_same_adapter(entry.ref, adapter)
 
     def _begin_load(self, adapter: AdapterRef) -> _Adapter:
         """Start loading `adapter` into vLLM (removing stale idle adapters first); return its entry."""

@@ -1,0 +1,509 @@
+"""vLLM servers as engines: one `vllm serve` process (OpenAI-compatible HTTP) per engine.
+
+The server runs where you start it, on this host or another; the pipeline only talks to it. Its
+output handling (detokenizing, per-token log-probs) then runs in the server's process, not on the
+pipeline's event loop, where an in-process AsyncLLM took two thirds of the loop's CPU at K = 2
+(README, "Measured on H200s").
+
+Invariants (beyond the Engine protocol's):
+- One group is one `POST /v1/completions`: the prompt's token ids, n = G, logprobs = 0,
+  return_token_ids, and every sampling setting sent explicitly (a server applies the model's
+  generation_config.json to whatever a request leaves out). The answer carries each completion's
+  token ids and the log-prob of each sampled token.
+- Each version is registered on the server under its own name, `<AdapterRef.name>-<tag>` (tag:
+  random per engine, so runs that share a server never share a name), with
+  `POST /v1/load_lora_adapter` and the directory as published: the server must see the adapter
+  store at the same path (a shared filesystem). A request names its adapter, and the answer's
+  `model` must be that name.
+- A group that started on version k finishes on k: a registered adapter is unregistered only when
+  none of this engine's requests uses it (deferred otherwise); at most `max_loaded_adapters`
+  stay registered (the oldest idle ones go first).
+- A server that forgot an adapter (it was restarted) answers 404 for its name: the engine
+  registers it again and sends the request once more.
+- Cancelling `generate` closes its HTTP request; vLLM aborts a completion whose client went away.
+- Errors: a server that cannot be reached -> EngineDeadError (the pipeline takes the engine out
+  of rotation and may restart it: `start()` probes the server again); an HTTP error on a
+  completion -> GenerationError with the server's message; on a registration -> AdapterError.
+- The server owns its GPU and its process: `close()` ends this engine's requests, unregisters its
+  adapters and leaves the server running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from pipeline.config import ConfigError, SamplingConfig, VLLMServerEngineConfig
+from pipeline.engines.base import check_same_adapter
+from pipeline.engines.vllm import _FAILED_REASONS, _FINISH_REASONS
+from pipeline.errors import (AdapterError, AdapterNotFoundError, EngineDeadError, GenerationError,
+                             PromptError)
+from pipeline.metrics import BusyMeter
+from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
+
+log = structlog.get_logger(__name__)
+
+_CONNECT_TIMEOUT_S = 10.0  # a server that does not accept a connection by then is unreachable
+_START_LOG_EVERY_S = 15.0  # while a server is not up yet, say so this often
+_UNREGISTER_AT_CLOSE_S = 5.0  # close() gives unregistering its adapters this long
+_RUNTIME_LORA_HINT = ("start the server with the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                      "and `vllm serve MODEL --enable-lora --max-lora-rank R` (R >= trainer.lora_rank)")
+
+
+@dataclass
+class VLLMServerEngineStats:
+    """Counters since start (all written on the event loop)."""
+
+    requests: int = 0  # generate calls accepted
+    cancelled: int = 0  # generate calls cancelled by their caller (their HTTP request closed)
+    failed: int = 0  # generate calls that raised
+    tokens: int = 0  # completion tokens returned
+    reregistered: int = 0  # adapters registered again because the server had forgotten them
+    adapters_loaded: int = 0
+    adapters_unloaded: int = 0
+
+
+@dataclass(eq=False)
+class _Registered:
+    """One adapter version as this engine registered it on the server."""
+
+    ref: AdapterRef
+    name: str  # the server's name for it: "<ref.name>-<tag>"
+    path: str  # the directory, resolved, as the server is asked to read it
+    order: int  # registration order: smaller was registered earlier
+    ready: asyncio.Task[None] | None = None  # the registration; done (without error) once the server holds it
+    in_flight: int = 0  # generate calls using it
+    unload_requested: bool = False  # unregister when in_flight drops to 0
+
+
+class VLLMServerEngine:
+    """Samples whole groups on one vLLM server over HTTP; adapters registered at run time."""
+
+    def __init__(self, url: str, *, sampling: SamplingConfig, cfg: VLLMServerEngineConfig,
+                 max_staleness: int = 1, name: str = "vllm-server-0") -> None:
+        if max_staleness < 0:
+            raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
+        self.url = url.rstrip("/")
+        self.name = name
+        self.sampling = sampling
+        self.cfg = cfg
+        self.max_loaded = cfg.max_loaded_adapters or max_staleness + 2
+        if self.max_loaded < max_staleness + 1:
+            raise ConfigError(f"engine.vllm_server.max_loaded_adapters must be 0 (auto) or >= max_staleness + 1 = "
+                              f"{max_staleness + 1} (every version a running group may use stays registered), "
+                              f"got {cfg.max_loaded_adapters}")
+        self.model = cfg.model  # the base model's name on the server; found by start() when ""
+        self.max_model_len: int | None = None  # as the server reports it
+        self.stats = VLLMServerEngineStats()
+        self.busy = BusyMeter()
+        self._tag = secrets.token_hex(4)
+        self._headers: dict[str, str] = {}
+        self._session: Any = None  # aiohttp.ClientSession once started
+        self._start_lock = asyncio.Lock()
+        self._adapters: dict[str, _Registered] = {}  # AdapterRef.name -> registered or registering
+        self._order = 0
+        self._background: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._closes = 0  # close() calls so far: a call that spans one learns the engine closed under it
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def loaded_versions(self) -> tuple[int, ...]:
+        """Versions registered on the server by this engine (the base model, version 0, not listed)."""
+        return tuple(sorted(a.ref.version for a in self._adapters.values() if _ready(a)))
+
+    async def start(self) -> None:
+        """Connect to the server and find its base model; after `close()`, again (no adapter registered)."""
+        async with self._start_lock:
+            if self._session is not None and not self._closed:
+                return
+            self._closed = False
+            self._adapters = {}
+            import aiohttp
+
+            key_env = self.cfg.api_key_env
+            if key_env:
+                key = os.environ.get(key_env)
+                if not key:
+                    raise ConfigError(f"engine.vllm_server.api_key_env = {key_env!r}, but that environment "
+                                      "variable is not set")
+                self._headers = {"Authorization": f"Bearer {key}"}
+            # no total timeout: the pipeline times requests itself (engine.request_timeout_s) and cancels them
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=_CONNECT_TIMEOUT_S),
+                connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
+            try:
+                await self._find_model()
+            except BaseException:
+                await self._session.close()
+                self._session = None
+                raise
+
+    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
+        self._check_usable()
+        t_start = time.monotonic()
+        if request.n < 1 or request.max_new_tokens < 1:
+            raise ValueError(f"group {request.group_id}: n and max_new_tokens must be >= 1, "
+                             f"got n={request.n}, max_new_tokens={request.max_new_tokens}")
+        if not request.prompt.token_ids:
+            raise PromptError(f"prompt {request.prompt.id!r} has no tokens")
+        self.stats.requests += 1
+        entry: _Registered | None = None
+        try:
+            entry = await self._acquire(adapter)
+            data = await self._complete(request, entry)
+            generation = self._generation(request, adapter, entry, data, t_start)
+        except asyncio.CancelledError:
+            self.stats.cancelled += 1
+            raise
+        except BaseException:
+            self.stats.failed += 1
+            raise
+        finally:
+            if entry is not None:
+                self._release(entry)
+        self.stats.tokens += generation.num_tokens
+        return generation
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        self._check_usable()
+        if adapter.version == 0:
+            return
+        entry = self._adapters.get(adapter.name) or self._begin_register(adapter)
+        self._check_same(entry, adapter)
+        entry.unload_requested = False
+        assert entry.ready is not None
+        await asyncio.shield(entry.ready)
+        self._evict()
+
+    async def unload_adapter(self, adapter: AdapterRef) -> None:
+        entry = self._adapters.get(adapter.name)
+        if self._closed or entry is None or adapter.version == 0:
+            return
+        if entry.in_flight or not _ready(entry):
+            entry.unload_requested = True
+            return
+        await self._unregister(entry)
+
+    async def close(self) -> None:
+        """End this engine's requests, unregister its adapters (best effort) and close the connections."""
+        if self._closed:
+            return
+        self._closed = True
+        self._closes += 1
+        session, self._session = self._session, None
+        entries, self._adapters = list(self._adapters.values()), {}
+        for task in list(self._background):
+            task.cancel()
+        if session is None:
+            return
+        await session.close()  # closes its connections: the requests in flight end now (EngineDeadError)
+        registered = [e for e in entries if _ready(e)]
+        if not registered:
+            return
+        import aiohttp
+
+        # the names are this engine's alone: left registered they would only pile up on the server
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_UNREGISTER_AT_CLOSE_S),
+                                         headers=self._headers) as cleanup:
+            try:
+                async with asyncio.timeout(_UNREGISTER_AT_CLOSE_S):
+                    await asyncio.gather(*(self._post_unregister(cleanup, e) for e in registered),
+                                         return_exceptions=True)
+            except TimeoutError:
+                log.warning("adapter_unregister_timeout", engine=self.name, url=self.url, adapters=len(registered))
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def _request(self, method: str, path: str, body: Any = None, *,
+                       session: Any = None) -> tuple[int, Any]:
+        """(status, parsed JSON or text) of one call; EngineDeadError if the server cannot be reached."""
+        import aiohttp
+
+        session = session or self._session
+        if session is None:
+            raise EngineDeadError(f"engine {self.name} is closed")
+        closes = self._closes
+        try:
+            async with session.request(method, self.url + path, json=body) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, OSError) as e:
+            if self._closes != closes:
+                raise EngineDeadError(f"engine {self.name} closed during {method} {path}") from e
+            raise EngineDeadError(f"engine {self.name}: cannot reach the vLLM server at {self.url} "
+                                  f"({method} {path}): {type(e).__name__}: {e}") from e
+        try:
+            return status, json.loads(raw)
+        except ValueError:  # a plain-text answer (load/unload success) or an HTML error page
+            return status, raw.decode("utf-8", "replace")
+
+    async def _find_model(self) -> None:
+        """Wait for the server to accept connections, then take (or check) its base model."""
+        t0 = last_log = time.monotonic()
+        while True:
+            try:
+                status, data = await self._request("GET", "/v1/models")
+                break
+            except EngineDeadError as e:
+                cause = e.__cause__
+                if not _refused(cause):  # a refused connection is a server still starting; nothing else is
+                    raise
+                if time.monotonic() - last_log >= _START_LOG_EVERY_S:
+                    last_log = time.monotonic()
+                    log.warning("vllm_server_not_up", engine=self.name, url=self.url,
+                                waited_s=round(last_log - t0, 1), error=str(cause))
+                await asyncio.sleep(1.0)
+        if status == 401:
+            raise ConfigError(f"the vLLM server at {self.url} refused the API key"
+                              + (f" from ${self.cfg.api_key_env}" if self.cfg.api_key_env else
+                                 " (none sent: set engine.vllm_server.api_key_env)"))
+        if status != 200 or not isinstance(data, dict):
+            raise EngineDeadError(f"engine {self.name}: GET {self.url}/v1/models answered {status}: "
+                                  f"{_message(data)}")
+        bases = [c for c in data.get("data", []) if not c.get("parent")]
+        names = [c.get("id") for c in bases]
+        if self.cfg.model:
+            card = next((c for c in bases if c.get("id") == self.cfg.model), None)
+            if card is None:
+                raise ConfigError(f"engine.vllm_server.model = {self.cfg.model!r} is not served by {self.url} "
+                                  f"(it serves {names})")
+        elif len(bases) == 1:
+            card = bases[0]
+        else:
+            raise ConfigError(f"the vLLM server at {self.url} serves {names}: set engine.vllm_server.model "
+                              "to the base model the trainer trains")
+        self.model = card["id"]
+        self.max_model_len = card.get("max_model_len")
+        log.info("vllm_server_ready", engine=self.name, url=self.url, model=self.model,
+                 max_model_len=self.max_model_len, waited_s=round(time.monotonic() - t0, 3))
+
+    # ------------------------------------------------------------------ generation
+
+    def _body(self, request: GroupRequest, entry: _Registered | None) -> dict[str, Any]:
+        s = self.sampling
+        body = {
+            "model": entry.name if entry is not None else self.model,
+            "prompt": list(request.prompt.token_ids),
+            "n": request.n,
+            "max_tokens": request.max_new_tokens,
+            # all sent, so the model's generation_config.json cannot change what is sampled
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty,
+            "logprobs": 0,  # just the sampled token's log-prob
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,  # no detokenizing of each logprob entry on the server
+            "stream": False,
+        }
+        if request.seed is not None:
+            body["seed"] = request.seed
+        return body
+
+    async def _complete(self, request: GroupRequest, entry: _Registered | None) -> dict[str, Any]:
+        """The server's answer to the group's completion request (registering its adapter again, once,
+        if the server has forgotten it)."""
+        for attempt in (0, 1):
+            self.busy.enter()
+            try:
+                status, data = await self._request("POST", "/v1/completions", self._body(request, entry))
+            finally:
+                self.busy.exit()
+            if status == 200 and isinstance(data, dict):
+                return data
+            if status == 404 and entry is not None and attempt == 0 and "does not exist" in _message(data):
+                # the server was restarted and lost its registrations: this one is still ours to use
+                self.stats.reregistered += 1
+                log.warning("adapter_reregistered", engine=self.name, url=self.url, adapter=entry.name)
+                await self._register(entry)
+                continue
+            raise GenerationError(f"engine {self.name}: the vLLM server at {self.url} answered {status} to group "
+                                  f"{request.group_id}: {_message(data)}")
+        raise AssertionError("unreachable")
+
+    def _generation(self, request: GroupRequest, adapter: AdapterRef, entry: _Registered | None,
+                    data: dict[str, Any], t_start: float) -> Generation:
+        sent = entry.name if entry is not None else self.model
+        if data.get("model") != sent:
+            raise GenerationError(f"engine {self.name}: group {request.group_id} asked {self.url} for {sent!r} "
+                                  f"(version {adapter.version}) but the answer is from {data.get('model')!r}")
+        choices = sorted(data.get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != request.n:
+            raise GenerationError(f"engine {self.name}: group {request.group_id} asked for {request.n} "
+                                  f"completions, the server returned {len(choices)}")
+        completions = []
+        for c in choices:
+            reason = str(c.get("finish_reason"))
+            if reason in _FAILED_REASONS:
+                raise GenerationError(f"engine {self.name}: completion {c.get('index')} of group {request.group_id} "
+                                      f"ended with finish_reason {reason!r}")
+            ids = c.get("token_ids")
+            lps = (c.get("logprobs") or {}).get("token_logprobs")
+            if ids is None or lps is None:
+                raise GenerationError(f"engine {self.name}: the server at {self.url} returned no "
+                                      f"{'token ids' if ids is None else 'log-probs'} for group {request.group_id} "
+                                      "(a vLLM with return_token_ids, >= 0.10.2, is needed)")
+            if len(lps) != len(ids) or any(x is None for x in lps):
+                raise GenerationError(f"engine {self.name}: the server returned {len(lps)} log-probs for "
+                                      f"{len(ids)} tokens in group {request.group_id}")
+            if len(ids) > request.max_new_tokens:
+                raise GenerationError(f"engine {self.name}: completion {c.get('index')} of group {request.group_id} "
+                                      f"has {len(ids)} tokens, more than max_new_tokens {request.max_new_tokens}")
+            completions.append(Completion(token_ids=np.asarray(ids, dtype=np.int64),
+                                          logprobs=np.asarray(lps, dtype=np.float32),
+                                          finish_reason=_FINISH_REASONS.get(reason, reason)))
+        return Generation(request=request, completions=tuple(completions), version=adapter.version,
+                          engine=self.name, t_start=t_start, t_end=time.monotonic())
+
+    # ------------------------------------------------------------------ adapters
+
+    async def _acquire(self, adapter: AdapterRef) -> _Registered | None:
+        """The registered adapter for `adapter` (registering it if needed), counted as in use; None for base."""
+        if adapter.version == 0:
+            return None
+        entry = self._adapters.get(adapter.name) or self._begin_register(adapter)
+        self._check_same(entry, adapter)
+        entry.in_flight += 1
+        entry.unload_requested = False  # a new request is evidence that it is still needed
+        assert entry.ready is not None
+        try:
+            await asyncio.shield(entry.ready)
+        except BaseException:
+            self._release(entry)
+            raise
+        return entry
+
+    def _release(self, entry: _Registered) -> None:
+        entry.in_flight -= 1
+        if entry.in_flight == 0 and entry.unload_requested and self._adapters.get(entry.ref.name) is entry:
+            self._unregister_soon(entry)
+
+    def _check_same(self, entry: _Registered, adapter: AdapterRef) -> None:
+        check_same_adapter(entry.ref, adapter, "registered")
+
+    def _begin_register(self, adapter: AdapterRef) -> _Registered:
+        if adapter.path is None:
+            raise AdapterNotFoundError(f"adapter version {adapter.version} ({adapter.name}) has no path")
+        path = Path(adapter.path).resolve()
+        if not (path / "adapter_config.json").is_file():
+            raise AdapterNotFoundError(f"adapter version {adapter.version}: {str(path)!r} has no adapter_config.json")
+        self._order += 1
+        entry = _Registered(ref=adapter, name=f"{adapter.name}-{self._tag}", path=str(path), order=self._order)
+        entry.ready = asyncio.get_running_loop().create_task(self._register_first(entry),
+                                                             name=f"{self.name}-register-{adapter.name}")
+        # retrieve the outcome even when every waiter was cancelled (no "never retrieved" noise)
+        entry.ready.add_done_callback(lambda t: t.cancelled() or t.exception())
+        self._adapters[adapter.name] = entry
+        return entry
+
+    async def _register_first(self, entry: _Registered) -> None:
+        try:
+            await self._register(entry)
+        except BaseException:
+            if self._adapters.get(entry.ref.name) is entry:
+                del self._adapters[entry.ref.name]  # a later load tries again
+            raise
+        if entry.unload_requested and not entry.in_flight:  # found stale while it was registering
+            asyncio.get_running_loop().call_soon(self._release_if_idle, entry)
+
+    def _release_if_idle(self, entry: _Registered) -> None:
+        if entry.unload_requested and not entry.in_flight and self._adapters.get(entry.ref.name) is entry:
+            self._unregister_soon(entry)
+
+    async def _register(self, entry: _Registered) -> None:
+        t0 = time.monotonic()
+        status, data = await self._request("POST", "/v1/load_lora_adapter",
+                                           {"lora_name": entry.name, "lora_path": entry.path})
+        msg = _message(data)
+        if status == 400 and "already been loaded" in msg:
+            pass  # ours (the name is this engine's alone): an earlier registration got through
+        elif status == 404 and not (isinstance(data, dict) and "error" in data):
+            raise AdapterError(f"the vLLM server at {self.url} does not register adapters at run time "
+                               f"(POST /v1/load_lora_adapter: {status} {msg}); {_RUNTIME_LORA_HINT}")
+        elif status == 404:
+            raise AdapterNotFoundError(f"the vLLM server at {self.url} cannot read adapter version "
+                                       f"{entry.ref.version} at {entry.path!r}: {msg}; the adapter store must be "
+                                       "on a filesystem the server sees at the same path")
+        elif status != 200:
+            raise AdapterError(f"the vLLM server at {self.url} could not load adapter version {entry.ref.version} "
+                               f"from {entry.path!r}: {status} {msg}")
+        self.stats.adapters_loaded += 1
+        log.info("adapter_loaded", engine=self.name, version=entry.ref.version, adapter=entry.name,
+                 seconds=round(time.monotonic() - t0, 4))
+
+    def _evict(self) -> None:
+        """Unregister the oldest idle adapters beyond max_loaded_adapters."""
+        idle = sorted((a for a in self._adapters.values() if _ready(a) and not a.in_flight), key=lambda a: a.order)
+        for entry in idle[:max(0, len(self._adapters) - self.max_loaded)]:
+            self._unregister_soon(entry)
+
+    def _unregister_soon(self, entry: _Registered) -> None:
+        if self._adapters.get(entry.ref.name) is entry:
+            del self._adapters[entry.ref.name]
+        task = asyncio.get_running_loop().create_task(self._unregister(entry), name=f"{self.name}-unregister")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _unregister(self, entry: _Registered) -> None:
+        if self._adapters.get(entry.ref.name) is entry:
+            del self._adapters[entry.ref.name]
+        if self._session is None:
+            return
+        with contextlib.suppress(EngineDeadError):  # an unreachable server has forgotten it anyway
+            await self._post_unregister(self._session, entry)
+
+    async def _post_unregister(self, session: Any, entry: _Registered) -> None:
+        status, data = await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": entry.name},
+                                           session=session)
+        if status not in (200, 404):  # 404: the server no longer has it (restarted); nothing to free
+            log.warning("adapter_unload_failed", engine=self.name, adapter=entry.name, status=status,
+                        error=_message(data))
+            return
+        self.stats.adapters_unloaded += 1
+        log.info("adapter_unloaded", engine=self.name, version=entry.ref.version, adapter=entry.name)
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise EngineDeadError(f"engine {self.name} is closed")
+        if self._session is None:
+            raise EngineDeadError(f"engine {self.name} was not started")
+
+
+def _ready(entry: _Registered) -> bool:
+    t = entry.ready
+    return t is not None and t.done() and not t.cancelled() and t.exception() is None
+
+
+def _refused(e: BaseException | None) -> bool:
+    """Whether an aiohttp connection error is a refused connection (a server still starting)."""
+    while e is not None:
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        e = getattr(e, "os_error", None) or e.__cause__
+    return False
+
+
+def _message(data: Any) -> str:
+    """The error text of a server's answer: vLLM's {"error": {"message": ...}}, FastAPI's {"detail": ...}, or text."""
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        if err is not None:
+            return str(err)
+        if "detail" in data:
+            return str(data["detail"])
+    return str(data)[:500]
