@@ -243,6 +243,49 @@ def test_unused_versions_are_unregistered_but_not_while_a_group_uses_them(tmp_pa
     asyncio.run(with_server(scenario))
 
 
+def test_a_server_that_dies_mid_run_is_waited_for_and_nothing_is_lost(tmp_path: Path) -> None:
+    """The server goes away after step 3 (its running completions get no answer) and comes back on
+    the same port a second later, with no adapters: the engine leaves the rotation, is restarted
+    (start() waits for the server), registers the versions in use again, and every group is
+    accounted for."""
+    import json
+
+    from pipeline.models import build_model
+
+    prompts = [{"id": f"p{i}", "prompt": "", "token_ids": [1 + i % 50, 2, 3]} for i in range(64)]
+    steps, B = 8, 2
+
+    async def main() -> tuple[dict[str, Any], VLLMServerStub, int]:
+        inner = SimulatedEngine(SimulatedEngineConfig(latency_s=0.05, completion_tokens=4), name="inner")
+        await inner.start()
+        stub = VLLMServerStub(inner, model_name="base-model")
+        url = await stub.start()
+        cfg = load_config(None, {
+            "out": str(tmp_path / "run"), "model.path": str(build_model("tiny", tmp_path / "models")),
+            "engine.kind": "vllm_server", "engine.vllm_server.urls": [url], "engine.restart_backoff_s": 0.1,
+            "trainer.kind": "simulated", "trainer.step_s": 0.05, "sampling.n": 2, "pipeline.steps": steps,
+            "pipeline.batch_groups": B, "pipeline.max_staleness": 1, "log.progress": False,
+        })
+        p = Pipeline(cfg, prompts=prompts, reward=lambda prompts, completions, completion_ids, **kw:
+                     [float(len(ids)) for ids in completion_ids], tokenizer=False, console=False)
+        loads_before = 0
+        try:
+            async for res in p.steps():
+                if res.step == 3:
+                    loads_before = len(stub.loads)
+                    await stub.close()  # the server dies
+                    asyncio.get_running_loop().call_later(1.0, lambda: asyncio.ensure_future(stub.start()))
+        finally:
+            await stub.close()
+            await inner.close()
+        return json.loads((tmp_path / "run" / "summary.json").read_text()), stub, loads_before
+
+    summary, stub, loads_before = asyncio.run(main())
+    assert summary["accounting_ok"] and summary["groups_trained"] == steps * B, summary
+    assert summary["engine_restarts"] == {"vllm-server-0": 1} and summary["engines_out_of_rotation"] == [], summary
+    assert len(stub.loads) > loads_before, "the restarted engine did not register the versions in use again"
+
+
 def test_config_refuses_what_a_server_cannot_do() -> None:
     with pytest.raises(ConfigError, match="needs engine.vllm_server.urls"):
         load_config(None, {"engine.kind": "vllm_server"})
