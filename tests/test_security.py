@@ -172,8 +172,13 @@ SERVER_CALLS = {"start_server", "start_unix_server", "create_server", "create_un
                 "serve_forever", "Listener", "Manager", "BaseManager", "SyncManager"}
 SERVER_NAMES = {"HTTPServer", "ThreadingHTTPServer", "TCPServer", "UDPServer", "ThreadingTCPServer",
                 "SimpleXMLRPCServer"}
-SERVER_MODULES = {"socketserver", "http.server", "xmlrpc.server", "multiprocessing.managers", "aiohttp",
+SERVER_MODULES = {"socketserver", "http.server", "xmlrpc.server", "multiprocessing.managers", "aiohttp.web",
                   "uvicorn", "fastapi", "flask"}
+# aiohttp's client (the vllm_server engine) connects out; its server side lives in aiohttp.web*
+
+
+def aiohttp_server(module: str, names: list[str]) -> bool:
+    return module.startswith("aiohttp.web") or (module == "aiohttp" and any(n.startswith("web") for n in names))
 
 
 def listening(tree: ast.AST) -> list[str]:
@@ -187,10 +192,12 @@ def listening(tree: ast.AST) -> list[str]:
         elif name == "bind" and c.args:
             bad.append(f"{c.lineno}: .bind({ast.unparse(c.args[0])})")
     for line, module, names in imported_modules(tree):
-        if module in SERVER_MODULES or module.split(".")[0] in SERVER_MODULES:
+        if module in SERVER_MODULES or module.split(".")[0] in SERVER_MODULES or aiohttp_server(module, names):
             bad.append(f"{line}: imports {module}")
         bad += [f"{line}: imports {n}" for n in names if n in SERVER_NAMES or n in ("Listener", "socket")]
     bad += [f"{n.lineno}: {n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in SERVER_NAMES]
+    bad += [f"{n.lineno}: aiohttp.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and n.attr.startswith("web") and isinstance(n.value, ast.Name) and n.value.id == "aiohttp"]
     return bad
 
 
@@ -199,8 +206,11 @@ def test_pipeline_opens_no_listening_socket() -> None:
                         bad="socket.socket(socket.AF_INET)\ns.bind(('0.0.0.0', 8000))\n"
                             "asyncio.start_server(handle, port=1)\nloop.create_server(f)\n"
                             "http.server.HTTPServer(addr, h)\nfrom http.server import HTTPServer\n"
-                            "mp.Manager()\nfrom multiprocessing.connection import Listener\nsock.listen()",
-                        good="log = log.bind(engine='e0')\nsocket.gethostname()\nparent, child = ctx.Pipe()")
+                            "mp.Manager()\nfrom multiprocessing.connection import Listener\nsock.listen()\n"
+                            "from aiohttp import web\nimport aiohttp.web\naiohttp.web.run_app(app)\n"
+                            "from aiohttp.web_runner import AppRunner",
+                        good="log = log.bind(engine='e0')\nsocket.gethostname()\nparent, child = ctx.Pipe()\n"
+                             "import aiohttp\naiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))")
     assert scan(listening, "pipeline") == []
 
 
