@@ -349,6 +349,10 @@ class Pipeline:
         except TimeoutError:
             raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
                                   f"{cfg.engine.start_timeout_s} s") from None
+        # a vLLM server reports the context it was started with (--max-model-len): prompts must fit the smallest
+        served = [n for e in self.engines if isinstance(n := getattr(e, "max_model_len", None), int)]
+        if served:
+            self.max_context = min(served + ([self.max_context] if self.max_context is not None else []))
         if ck is not None:
             # the trainer continues from the checkpoint; its version is published again (the same
             # bytes, the same directory name) and every engine serves it before the first group

@@ -286,6 +286,43 @@ def test_a_server_that_dies_mid_run_is_waited_for_and_nothing_is_lost(tmp_path: 
     assert len(stub.loads) > loads_before, "the restarted engine did not register the versions in use again"
 
 
+def test_a_prompt_longer_than_the_servers_context_is_refused_by_name(tmp_path: Path) -> None:
+    """The server's --max-model-len (from /v1/models), not only the model's own, bounds prompt + completion."""
+    import json
+
+    from pipeline.models import build_model
+
+    long_prompt = {"id": "long", "prompt": "", "token_ids": list(range(1, 10))}
+    prompts = [long_prompt] + [{"id": f"p{i}", "prompt": "", "token_ids": [1 + i % 50, 2, 3]} for i in range(32)]
+
+    async def main() -> dict[str, Any]:
+        inner = SimulatedEngine(SimulatedEngineConfig(latency_s=0.0, completion_tokens=4), name="inner")
+        await inner.start()
+        stub = VLLMServerStub(inner, model_name="base-model", max_model_len=12)
+        url = await stub.start()
+        cfg = load_config(None, {
+            "out": str(tmp_path / "run"), "model.path": str(build_model("tiny", tmp_path / "models")),
+            "engine.kind": "vllm_server", "engine.vllm_server.urls": [url], "trainer.kind": "simulated",
+            "sampling.n": 2, "sampling.max_new_tokens": 4, "pipeline.steps": 3, "pipeline.batch_groups": 2,
+            "log.progress": False,
+        })
+        p = Pipeline(cfg, prompts=prompts, reward=lambda prompts, completions, completion_ids, **kw:
+                     [float(len(ids)) for ids in completion_ids], tokenizer=False, console=False)
+        try:
+            summary = await p.run()
+        finally:
+            await stub.close()
+            await inner.close()
+        assert p.max_context == 12  # the tiny model's own context is 512
+        return summary
+
+    summary = asyncio.run(main())
+    assert summary["accounting_ok"] and summary["prompts_refused"] >= 1 and summary["steps"] == 3, summary
+    events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    reasons = [e["reason"] for e in events if e["event"] == "prompt_refused"]
+    assert any("'long' has 9 tokens; with max_new_tokens 4 it exceeds the context of 12" in r for r in reasons), reasons
+
+
 def test_config_refuses_what_a_server_cannot_do() -> None:
     with pytest.raises(ConfigError, match="needs engine.vllm_server.urls"):
         load_config(None, {"engine.kind": "vllm_server"})
