@@ -33,7 +33,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError
+from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, PromptError
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Generation, GroupRequest
 
@@ -66,11 +66,30 @@ class Engine(Protocol):
         ...
 
 
+def check_group_request(request: GroupRequest, context: tuple[int, str] | None = None,
+                        vocab_size: int | None = None) -> None:
+    """Refuse a request no engine can sample: n or max_new_tokens below 1, an empty prompt, a prompt
+    that with its completion needs more than `context` (the limit, and how a message names it), or
+    token ids outside [0, vocab_size)."""
+    if request.n < 1 or request.max_new_tokens < 1:
+        raise ValueError(f"group {request.group_id}: n and max_new_tokens must be >= 1, "
+                         f"got n={request.n}, max_new_tokens={request.max_new_tokens}")
+    ids = request.prompt.token_ids
+    if len(ids) == 0:
+        raise PromptError(f"prompt {request.prompt.id!r} has no tokens")
+    if context is not None and len(ids) + request.max_new_tokens > context[0]:
+        raise PromptError(f"prompt {request.prompt.id!r}: {len(ids)} tokens + max_new_tokens "
+                          f"{request.max_new_tokens} exceed {context[1]}")
+    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise PromptError(f"prompt {request.prompt.id!r} has token ids outside [0, {vocab_size})")
+
+
 def check_same_adapter(held: AdapterRef, asked: AdapterRef, how: str = "loaded") -> None:
     """Refuse an adapter name asked for as another version or directory than the one `held` under it."""
     if held.version != asked.version or held.path != asked.path:
-        raise AdapterError(f"adapter name {asked.name!r} is {how} as version {held.version} from {held.path!r} but "
-                           f"was asked for as version {asked.version} from {asked.path!r}; adapter names must be unique")
+        raise AdapterError(f"adapter name {asked.name!r} is {how} as version {held.version} from {held.path!r} "
+                           f"but was asked for as version {asked.version} from {asked.path!r}; "
+                           "adapter names must be unique")
 
 
 def same_version(held: AdapterRef | None, asked: AdapterRef) -> bool:

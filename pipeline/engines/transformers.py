@@ -57,7 +57,7 @@ from transformers import DynamicCache
 from pipeline import models
 from pipeline.config import SamplingConfig, TransformersEngineConfig
 from pipeline.devices import sched_idle
-from pipeline.engines.base import check_model_dir, held_versions, same_version
+from pipeline.engines.base import check_group_request, check_model_dir, held_versions, same_version
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
@@ -65,7 +65,6 @@ from pipeline.errors import (
     ConfigError,
     EngineDeadError,
     GenerationError,
-    PromptError,
 )
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
@@ -323,17 +322,8 @@ class TransformersEngine:
             raise EngineDeadError(f"engine {self.name} was not started")
 
     def _check_request(self, request: GroupRequest) -> None:
-        if request.n < 1 or request.max_new_tokens < 1:
-            raise ValueError(f"group {request.group_id}: n and max_new_tokens must be >= 1, "
-                             f"got n={request.n}, max_new_tokens={request.max_new_tokens}")
-        ids = request.prompt.token_ids
-        if len(ids) == 0:
-            raise PromptError(f"prompt {request.prompt.id!r} has no tokens")
-        if len(ids) + request.max_new_tokens > self._max_positions:
-            raise PromptError(f"prompt {request.prompt.id!r}: {len(ids)} tokens + max_new_tokens "
-                              f"{request.max_new_tokens} exceed the model's {self._max_positions} positions")
-        if min(ids) < 0 or max(ids) >= self._vocab_size:
-            raise PromptError(f"prompt {request.prompt.id!r} has token ids outside [0, {self._vocab_size})")
+        check_group_request(request, (self._max_positions, f"the model's {self._max_positions} positions"),
+                            self._vocab_size)
 
     def _release(self, version: int) -> None:
         """A generate call on `version` ended: unload the version if that was asked and it is now unused."""

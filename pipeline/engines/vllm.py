@@ -77,7 +77,7 @@ import structlog
 
 from pipeline.config import SamplingConfig, VLLMEngineConfig
 from pipeline.devices import ENV_LOCK, visible_devices
-from pipeline.engines.base import check_model_dir, check_same_adapter, held_versions, same_version
+from pipeline.engines.base import check_group_request, check_model_dir, check_same_adapter, held_versions, same_version
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
@@ -86,7 +86,6 @@ from pipeline.errors import (
     EngineDeadError,
     GenerationError,
     PipelineError,
-    PromptError,
 )
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest, Prompt
@@ -512,17 +511,8 @@ class VLLMEngine:
             raise EngineDeadError(f"engine {self.name}: vLLM's engine core has died")
 
     def _check_request(self, request: GroupRequest) -> None:
-        if request.n < 1 or request.max_new_tokens < 1:
-            raise ValueError(f"group {request.group_id}: n and max_new_tokens must be >= 1, "
-                             f"got n={request.n}, max_new_tokens={request.max_new_tokens}")
-        ids = request.prompt.token_ids
-        if len(ids) == 0:
-            raise PromptError(f"prompt {request.prompt.id!r} has no tokens")
-        if len(ids) + request.max_new_tokens > self._max_model_len:
-            raise PromptError(f"prompt {request.prompt.id!r}: {len(ids)} tokens + max_new_tokens "
-                              f"{request.max_new_tokens} exceed engine.vllm.max_model_len = {self._max_model_len}")
-        if min(ids) < 0 or max(ids) >= self._vocab_size:
-            raise PromptError(f"prompt {request.prompt.id!r} has token ids outside [0, {self._vocab_size})")
+        check_group_request(request, (self._max_model_len, f"engine.vllm.max_model_len = {self._max_model_len}"),
+                            self._vocab_size)
 
     def _sampling_params(self, request: GroupRequest) -> Any:
         s = self.sampling

@@ -44,10 +44,9 @@ import numpy as np
 import structlog
 
 from pipeline.config import ConfigError, SamplingConfig, VLLMServerEngineConfig
-from pipeline.engines.base import check_same_adapter
+from pipeline.engines.base import check_group_request, check_same_adapter
 from pipeline.engines.vllm import _FAILED_REASONS, _FINISH_REASONS
-from pipeline.errors import (AdapterError, AdapterNotFoundError, EngineDeadError, GenerationError,
-                             PromptError)
+from pipeline.errors import AdapterError, AdapterNotFoundError, EngineDeadError, GenerationError
 from pipeline.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
 
@@ -153,11 +152,7 @@ class VLLMServerEngine:
     async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
         self._check_usable()
         t_start = time.monotonic()
-        if request.n < 1 or request.max_new_tokens < 1:
-            raise ValueError(f"group {request.group_id}: n and max_new_tokens must be >= 1, "
-                             f"got n={request.n}, max_new_tokens={request.max_new_tokens}")
-        if not request.prompt.token_ids:
-            raise PromptError(f"prompt {request.prompt.id!r} has no tokens")
+        check_group_request(request)  # the server checks its context and vocabulary itself (a 400)
         self.stats.requests += 1
         entry: _Registered | None = None
         try:
