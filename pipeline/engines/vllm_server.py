@@ -36,7 +36,7 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,7 @@ class _Registered:
     name: str  # the server's name for it: "<ref.name>-<tag>"
     path: str  # the directory, resolved, as the server is asked to read it
     order: int  # registration order: smaller was registered earlier
-    ready: asyncio.Task[None] | None = None  # the registration; done (without error) once the server holds it
+    ready: asyncio.Task[None] = field(init=False)  # the registration; done (without error) once the server holds it
     in_flight: int = 0  # generate calls using it
     unload_requested: bool = False  # unregister when in_flight drops to 0
 
@@ -178,7 +178,6 @@ class VLLMServerEngine:
         entry = self._adapters.get(adapter.name) or self._begin_register(adapter)
         self._check_same(entry, adapter)
         entry.unload_requested = False
-        assert entry.ready is not None
         await asyncio.shield(entry.ready)
         self._evict()
 
@@ -371,7 +370,6 @@ class VLLMServerEngine:
         self._check_same(entry, adapter)
         entry.in_flight += 1
         entry.unload_requested = False  # a new request is evidence that it is still needed
-        assert entry.ready is not None
         try:
             await asyncio.shield(entry.ready)
         except BaseException:
@@ -478,8 +476,7 @@ class VLLMServerEngine:
 
 
 def _ready(entry: _Registered) -> bool:
-    t = entry.ready
-    return t is not None and t.done() and not t.cancelled() and t.exception() is None
+    return entry.ready.done() and not entry.ready.cancelled() and entry.ready.exception() is None
 
 
 def _refused(e: BaseException | None) -> bool:
