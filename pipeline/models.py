@@ -1,15 +1,19 @@
 """Offline model building and token log-probabilities.
 
 Nothing here downloads anything: the built-in models are random-weight `Qwen2ForCausalLM`s of
-a named shape with a character-level tokenizer, built once into a cache directory. The same
+a named shape with a byte-level tokenizer, built once into a cache directory. The same
 log-probability code serves the trainer (with gradients) and the engine checks (without).
 
 Invariants:
 - `build_model(shape, cache_dir)` returns a complete directory or raises: it is built in a
   temporary directory beside the target and renamed into place, so a reader never sees a
   half-written model, and of two concurrent builders one wins and the other's copy is discarded.
-- The tokenizer round-trips printable ASCII exactly (`decode(encode(s)) == s`), adds no BOS, and
-  decodes every id the model can sample (its vocabulary is padded to the model's).
+- The tokenizer is one token per UTF-8 byte (id = the byte's value) after NFC normalisation, so
+  `decode(encode(s)) == unicodedata.normalize("NFC", s)` for any text without a special token's
+  string in it (exactly `s` for NFC text, which is nearly all text), with or without
+  `skip_special_tokens`. It adds no BOS, and decodes every id the model can sample (its
+  vocabulary is padded to the model's; a byte sequence that is not UTF-8 decodes to U+FFFD).
+  `AutoTokenizer` loads it as it is built, and `apply_chat_template` renders ChatML.
 - `token_logprobs(...)[:, t]` is `log p(input_ids[:, t] | input_ids[:, :t])` in float32 for
   t >= 1 on non-padding positions, and 0 at t = 0 and on padding.
 """
@@ -20,7 +24,6 @@ import contextlib
 import functools
 import os
 import shutil
-import string
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -30,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import structlog
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -48,12 +51,31 @@ from pipeline.errors import ConfigError
 log = structlog.get_logger(__name__)
 
 # Bump when what build_model writes changes, so stale caches are rebuilt rather than reused.
-FORMAT_VERSION = 3  # 2: wider embedding init (learnable); 3: embed_std per shape ("small" was degenerate)
+# 2: wider embedding init (learnable); 3: embed_std per shape ("small" was degenerate);
+# 4: byte-level tokenizer (the character one lost spaces and non-ASCII once loaded) and a chat template
+FORMAT_VERSION = 4
 
+
+def _byte_symbols() -> tuple[str, ...]:
+    """The symbol `pre_tokenizers.ByteLevel` writes for each byte (GPT-2's map), indexed by byte."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)}
+    others = iter(range(256, 512))  # the other bytes, in order, get code points from 256 up
+    return tuple(chr(b) if b in printable else chr(next(others)) for b in range(256))
+
+
+# Token id b is byte b, so a text's ids are its UTF-8 bytes.
+BYTE_SYMBOLS = _byte_symbols()
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
-# Printable ASCII without vertical tab and form feed (they are whitespace no text here needs).
-CHARACTERS = tuple(c for c in string.printable if c not in "\x0b\x0c")
+EOS_ID = len(BYTE_SYMBOLS)  # the special tokens follow the bytes
+# ChatML, as Qwen2's tokenizers render it (without their default system message).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 _LOAD_LOCK = threading.RLock()
 
@@ -82,7 +104,7 @@ class Shape:
     max_position_embeddings: int
     rope_theta: float
     dtype: str  # weights as saved
-    vocab_size: int = 0  # 0 = the char tokenizer's size rounded up to a multiple of 64
+    vocab_size: int = 0  # 0 = the byte tokenizer's size rounded up to a multiple of 64
     tie_word_embeddings: bool = True
     rms_norm_eps: float = 1e-6
     # Embedding (= output, tied) init std. In a shallow random model the final hidden state leans
@@ -114,19 +136,26 @@ SHAPES: dict[str, Shape] = {
 
 
 def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
-    """A character-level `PreTrainedTokenizerFast`: one token per printable ASCII character.
+    """A byte-level `PreTrainedTokenizerFast`: one token per UTF-8 byte of the NFC-normalised text.
 
-    Ids 0..97 are the characters, then `<|endoftext|>` (eos and pad), `<|im_start|>`,
-    `<|im_end|>`; with `vocab_size`, `<|extra_N|>` special tokens pad it to exactly that many
-    entries. Characters outside printable ASCII cannot be encoded (the tokenizer raises).
+    Ids 0..255 are the bytes, then `<|endoftext|>` (eos and pad), `<|im_start|>`, `<|im_end|>`;
+    with `vocab_size`, `<|extra_N|>` special tokens pad it to exactly that many entries.
+
+    It is built as transformers' `Qwen2Tokenizer` rebuilds it: `AutoTokenizer` loads every
+    qwen2 directory through that class, which keeps only the vocabulary, merges and added tokens
+    of `tokenizer.json` and imposes its own NFC normaliser, Qwen2 split and byte-level pre-tokenizer
+    and decoder. A BPE without merges over the 256 byte symbols gives one token per byte under any
+    split, and the NFC here makes the tokenizer built and the tokenizer loaded the same.
     """
-    base = len(CHARACTERS) + len(SPECIAL_TOKENS)
+    base = len(BYTE_SYMBOLS) + len(SPECIAL_TOKENS)
     if vocab_size is not None and vocab_size < base:
-        raise ConfigError(f"tokenizer vocab_size must be >= {base} (characters + special tokens), got {vocab_size}")
-    tok = Tokenizer(models.WordLevel({c: i for i, c in enumerate(CHARACTERS)}, unk_token=None))
-    # Every character is its own pre-token ([\s\S] also matches newlines); Fuse joins on decode.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+        raise ConfigError(f"tokenizer vocab_size must be >= {base} (bytes + special tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE({sym: b for b, sym in enumerate(BYTE_SYMBOLS)}, merges=[]))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    # Special tokens are matched in the raw text before normalising and pre-tokenizing, so a
+    # rendered chat's <|im_start|> is one id, not 12 bytes.
     extra = [f"<|extra_{i}|>" for i in range((vocab_size or base) - base)]
     tok.add_special_tokens(list(SPECIAL_TOKENS) + extra)
     return PreTrainedTokenizerFast(
@@ -134,6 +163,7 @@ def build_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=EOS_TOKEN,
         clean_up_tokenization_spaces=False,  # " ." must stay " ." for an exact round trip
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -178,7 +208,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 def _model_vocab_size(shape: Shape) -> int:
     if shape.vocab_size:
         return shape.vocab_size
-    base = len(CHARACTERS) + len(SPECIAL_TOKENS)
+    base = len(BYTE_SYMBOLS) + len(SPECIAL_TOKENS)
     return (base + 63) // 64 * 64
 
 

@@ -35,7 +35,7 @@ VERSION_SEPARATION = 0.25
 
 MAX_STALENESS = 1
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-PROMPT_VOCAB = 98  # the built-in char tokenizer's characters: ids below its special tokens
+PROMPT_VOCAB = 256  # the built-in byte tokenizer's bytes: ids below its special tokens
 
 # Third-party warnings raised inside vLLM's import and start-up are not ours to fail on;
 # RuntimeWarning (a coroutine never awaited) still fails the test.
@@ -256,7 +256,7 @@ def _vllm(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
                                              max_num_seqs=256, max_lora_rank=16), device="cuda:0")
     loop.run_until_complete(engine.start())
     adapters = publish_adapters(model_path, tmp / "adapters", (1, 2, 3), rank=16, b_std=0.05, device="cuda:0")
-    # Random weights end a completion by end-of-sequence with chance ~1/128 per token, so 16
+    # Random weights end a completion by end-of-sequence with chance ~1/320 per token, so 16
     # completions of up to 1500 tokens keep vLLM busy for a few hundred steps.
     return Harness("vllm", loop, engine, adapters, long_tokens=1500,
                    recompute=Recomputer(model_path, adapters, "cuda:0"))

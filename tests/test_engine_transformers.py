@@ -21,7 +21,7 @@ from pipeline.engines.transformers import TransformersEngine, process_logits
 from pipeline.errors import AdapterError, EngineDeadError, PromptError
 from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt
 
-EOS = len(models.CHARACTERS)  # the tiny tokenizer's <|endoftext|>
+EOS = models.EOS_ID  # the tiny tokenizer's <|endoftext|>
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 
 def _request(group_id: int, text: str, n: int = 4, max_new_tokens: int = 12, seed: int | None = None) -> GroupRequest:
-    ids = tuple(models.CHARACTERS.index(c) for c in text)
+    ids = tuple(text.encode())  # the built-in tokenizer's ids are the bytes
     return GroupRequest(group_id=group_id, prompt=Prompt(id=f"p{group_id}", text=text, token_ids=ids), n=n,
                         max_new_tokens=max_new_tokens, seed=seed)
 

@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import os
-import string
 import threading
 import time
+import unicodedata
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from hypothesis import assume, example, given, settings
+from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from pipeline import models
 from pipeline.errors import ConfigError
+from pipeline.tasks import char_class_task
 
 TEXTS = [
     "hello world",
     "a . b , c ! ? don't  two  spaces",
     "line one\nline two\n\n\tindented\r\n",
     " leading and trailing ",
-    "".join(models.CHARACTERS),
+    "".join(chr(c) for c in range(128)),
+    "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e \U0001f600 \u0000 \ufffd",
 ]
+VOCAB = 320  # the tiny model's: 256 bytes + 3 special tokens, rounded up to a multiple of 64
 
 
 @pytest.fixture(scope="module")
@@ -35,26 +41,89 @@ def tiny_model(tiny_dir: Path) -> torch.nn.Module:
     return models.load_causal_lm(tiny_dir, "cpu", "float32")
 
 
-def test_tokenizer_round_trips_printable_text_one_token_per_character() -> None:
+@pytest.fixture(scope="module")
+def loaded(tiny_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer as the pipeline loads it (orchestrator `_setup`)."""
+    return AutoTokenizer.from_pretrained(str(tiny_dir), trust_remote_code=False)
+
+
+@pytest.fixture(scope="module")
+def built() -> PreTrainedTokenizerBase:
+    """The tokenizer build_model saves, before saving."""
+    return models.build_tokenizer(VOCAB)
+
+
+def test_tokenizer_is_one_token_per_byte_and_adds_no_bos() -> None:
     tok = models.build_tokenizer()
-    assert len(models.CHARACTERS) == len(string.printable) - 2
+    assert set(models.BYTE_SYMBOLS) == set(pre_tokenizers.ByteLevel.alphabet())
     for text in TEXTS:
         ids = tok.encode(text)
-        assert len(ids) == len(text)  # one token per character and no BOS
-        assert ids[0] == models.CHARACTERS.index(text[0])
+        assert ids == list(text.encode("utf-8"))  # token id = byte, and no BOS
         assert tok.decode(ids) == text
     assert tok.eos_token == tok.pad_token == "<|endoftext|>"
-    assert tok.eos_token_id == len(models.CHARACTERS)
+    assert tok.eos_token_id == models.EOS_ID == 256
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [257, 258]
     assert tok.bos_token_id is None
 
 
-def test_tokenizer_pads_to_vocab_size_and_every_id_decodes() -> None:
-    tok = models.build_tokenizer(vocab_size=128)
-    assert len(tok) == 128
-    assert tok.decode([127]) == "<|extra_26|>"
-    assert tok.decode(list(range(128)), skip_special_tokens=True) == "".join(models.CHARACTERS)
+# Any text: st.text() draws from all of unicode but surrogates; it rarely draws one that NFC
+# changes, so the examples hold some (a decomposed accent, the Angstrom sign, a CJK compatibility ideograph).
+@settings(max_examples=300, deadline=None)
+@given(text=st.text())
+@example(text="cafe\u0301 \u212b \uf900")
+def test_loaded_tokenizer_round_trips_any_text_as_the_pipeline_encodes_and_decodes(
+        loaded: PreTrainedTokenizerBase, built: PreTrainedTokenizerBase, text: str) -> None:
+    # A special token's string in the text is that token (as in a rendered chat), and
+    # skip_special_tokens drops it: the round trip is for text without one.
+    assume(not any(t in text for t in loaded.get_added_vocab()))
+    nfc = unicodedata.normalize("NFC", text)  # transformers' Qwen2Tokenizer normalises; see build_tokenizer
+    ids = loaded(text, add_special_tokens=False)["input_ids"]  # as orchestrator encodes prompts
+    assert ids == list(nfc.encode("utf-8"))
+    assert built(text, add_special_tokens=False)["input_ids"] == ids
+    assert loaded.decode(ids, skip_special_tokens=True) == nfc
+    assert models.batch_decoder(loaded)([ids, []]) == [nfc, ""]  # the pipeline's fast paths
+    assert models.batch_decoder(loaded, parallel=True)([ids])[0] == nfc
+    if nfc == text:
+        assert loaded.decode(ids) == text
+
+
+def test_default_task_prompts_round_trip_with_their_spaces(loaded: PreTrainedTokenizerBase) -> None:
+    prompts = ["What is 2+0? Answer:"] + [p["prompt"] for p in char_class_task(4, seed=0, max_new_tokens=16).prompts]
+    assert " " in prompts[1]  # "<noise> digits:"
+    decode = models.batch_decoder(loaded)
+    for text in prompts:
+        ids = loaded(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(text)  # ASCII: one token per character, spaces included
+        assert loaded.decode(ids, skip_special_tokens=True) == decode([ids])[0] == text
+
+
+def test_loaded_tokenizer_renders_chatml_with_single_special_tokens(loaded: PreTrainedTokenizerBase) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+0? Answer:"}]
+    text = loaded.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+0? Answer:<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert loaded.apply_chat_template(messages, tokenize=False) == text.removesuffix("<|im_start|>assistant\n")
+    ids = loaded(text, add_special_tokens=False)["input_ids"]
+    start, end = loaded.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert (ids.count(start), ids.count(end)) == (3, 2)
+    assert all(i < 256 for i in ids if i not in (start, end))  # no partly matched special token
+    assert ids[:1 + len("system\n")] == [start, *b"system\n"]
+    assert loaded.decode(ids) == text
+    assert loaded.decode(ids, skip_special_tokens=True) == "system\nBe brief.\nuser\nWhat is 2+0? Answer:\nassistant\n"
+
+
+def test_tokenizer_pads_to_vocab_size_and_every_id_decodes(loaded: PreTrainedTokenizerBase) -> None:
+    tok = models.build_tokenizer(vocab_size=VOCAB)
+    for t in (tok, loaded):
+        assert len(t) == VOCAB
+        assert t.decode([VOCAB - 1]) == "<|extra_60|>"
+        assert all(isinstance(t.decode([i]), str) for i in range(VOCAB))
+        # the special and padding tokens decode to nothing; bytes that are not UTF-8 to U+FFFD
+        assert t.decode(list(range(VOCAB)), skip_special_tokens=True) == t.decode(list(range(256)))
+        assert t.decode(list(range(128)), skip_special_tokens=True) == "".join(chr(c) for c in range(128))
+        assert t.decode([0xE6, 0x97]) == "\ufffd"  # a cut-off character (the model may sample one)
     with pytest.raises(ConfigError, match="vocab_size"):
-        models.build_tokenizer(vocab_size=50)
+        models.build_tokenizer(vocab_size=258)
 
 
 def test_autotokenizer_loads_the_saved_tokenizer_offline(tmp_path: Path) -> None:
@@ -62,7 +131,7 @@ def test_autotokenizer_loads_the_saved_tokenizer_offline(tmp_path: Path) -> None
     tok = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
     for text in TEXTS:
         assert tok.decode(tok(text)["input_ids"]) == text
-    assert tok.eos_token_id == tok.pad_token_id == len(models.CHARACTERS)
+    assert tok.eos_token_id == tok.pad_token_id == models.EOS_ID
 
 
 class NoBatchDecode(type(models.build_tokenizer())):
@@ -72,17 +141,19 @@ class NoBatchDecode(type(models.build_tokenizer())):
         raise AssertionError("batch_decode called")
 
 
-def test_batch_decoder_decodes_in_rust_what_batch_decode_would(tmp_path: Path) -> None:
-    tok = models.build_tokenizer(vocab_size=128)
+def test_batch_decoder_decodes_in_rust_what_batch_decode_would(tmp_path: Path, loaded: PreTrainedTokenizerBase) -> None:
+    tok = models.build_tokenizer(vocab_size=VOCAB)
     tok.save_pretrained(str(tmp_path))
-    loaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    alone = AutoTokenizer.from_pretrained(str(tmp_path))  # no config.json beside it: loaded as saved
     rng = np.random.default_rng(0)
-    # characters, special tokens (skipped) and the padding tokens, in sequences of mixed length
-    ids = [rng.integers(0, 128, size=int(rng.integers(0, 40))).tolist() for _ in range(64)] + [[], [98, 1, 99]]
+    # bytes (valid UTF-8 or not), special tokens (skipped) and the padding tokens, in sequences of mixed length
+    ids = [rng.integers(0, VOCAB, size=int(rng.integers(0, 40))).tolist() for _ in range(64)]
+    ids += [[], [models.EOS_ID, 1, models.EOS_ID + 1], list("héllo wörld".encode())]
     fast = NoBatchDecode(tokenizer_object=tok._tokenizer, eos_token=models.EOS_TOKEN, clean_up_tokenization_spaces=False)
-    for t in (tok, loaded, fast):
+    for t in (tok, alone, loaded, fast):
         for parallel in (False, True):
             assert models.batch_decoder(t, parallel)(ids) == tok.batch_decode(ids, skip_special_tokens=True)
+    assert models.batch_decoder(loaded)(ids[-1:]) == ["héllo wörld"]
 
 
 def test_batch_decoder_keeps_batch_decode_when_the_rust_decode_is_not_all_of_it() -> None:
@@ -123,7 +194,7 @@ def test_build_model_tiny_builds_once_and_loads(tmp_path: Path) -> None:
     cfg = model.config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 2, 4, 2)
     assert cfg.intermediate_size == 192 and cfg.max_position_embeddings == 512
-    assert cfg.vocab_size == 128 and cfg.vocab_size % 64 == 0
+    assert cfg.vocab_size == VOCAB and cfg.vocab_size % 64 == 0
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
     assert model.dtype == torch.float32
     tok = models.load_tokenizer(path)

@@ -34,12 +34,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _group(group_id: int, text: str, version: int = 0, seed: int = 0) -> RolloutGroup:
     """A group of N random completions with distinct rewards (so every advantage is nonzero)."""
     rng = np.random.default_rng(seed)
-    ids = tuple(models.CHARACTERS.index(c) for c in text)
+    ids = tuple(text.encode())  # the built-in tokenizer's ids are the bytes
     request = GroupRequest(group_id=group_id, prompt=Prompt(id=f"p{group_id}", text=text, token_ids=ids), n=N,
                            max_new_tokens=T)
-    # behaviour log-probs near a uniform policy's log(1/128): the tiny random model is close to it
-    completions = tuple(Completion(token_ids=rng.integers(0, len(models.CHARACTERS), size=T).astype(np.int64),
-                                   logprobs=np.full(T, -4.8, dtype=np.float32), finish_reason="length")
+    # behaviour log-probs near a uniform policy's log(1/320): the tiny random model is close to it
+    completions = tuple(Completion(token_ids=rng.integers(0, models.EOS_ID, size=T).astype(np.int64),
+                                   logprobs=np.full(T, -5.8, dtype=np.float32), finish_reason="length")
                         for _ in range(N))
     generation = Generation(request=request, completions=completions, version=version, engine="test",
                             t_start=0.0, t_end=0.0)
