@@ -1,13 +1,16 @@
 """Does the policy learn? The same run twice, with the configured learning rate and with lr = 0.
 
     python benchmarks/learning_curve.py                       # CPU: tiny model, transformers engine
+    python benchmarks/learning_curve.py --config examples/own_task/config.toml   # your own task's files
     python benchmarks/learning_curve.py --engine vllm --model-shape small \
         --engine-device cuda:0 --trainer-device cuda:1 --steps 100
 
 Both runs use the same seed, prompts, engine and settings; the only difference is the learning
 rate, so the gap between the reward curves is what training bought. With vLLM, one engine is
-started once and serves both runs (the Pipeline does not close engines it did not build).
-Writes learning_curve_<engine>_<shape>_<hardware>.json and a PNG of both curves.
+started once and serves both runs (the Pipeline does not close engines it did not build). Where
+the config evaluates ([eval] every > 0), each run's eval rounds (held-out prompts) are kept too.
+Writes learning_curve_<engine>_<shape>_<hardware>.json (learning_curve_<task>_... for a data.train
+task, named after its folder) and a PNG of both curves.
 """
 
 from __future__ import annotations
@@ -96,19 +99,25 @@ async def main(args: argparse.Namespace) -> dict:
                 "groups_trained": summary["groups_trained"], "tokens_per_s": summary["tokens_per_s"],
                 "logprob_check": {k: v for k, v in p.metrics_rows[0].items() if k.startswith("check/")},
                 "busy_generator": summary["busy_generator"], "busy_trainer": summary["busy_trainer"],
+                "eval": [{k: v for k, v in r.items() if k in ("step", "version") or k.startswith("eval/")}
+                         for r in p.eval_rows],
             }
             print(f"{label}: lr={lr} reward first/final window {runs[label]['reward_first_window']:.3f} -> "
                   f"{runs[label]['reward_final_window']:.3f} in {runs[label]['wall_s']:.1f} s", flush=True)
+            for r in runs[label]["eval"]:
+                print(f"  eval at step {r['step']}: reward {r['eval/reward_mean']:.3f}, pass@1 {r['eval/pass@1']:.3f}",
+                      flush=True)
     finally:
         if engines:
             await engines[0].close()
     gap = runs["trained"]["reward_final_window"] - runs["lr0"]["reward_final_window"]
     hw = hardware()
+    task = Path(cfg.data.train).resolve().parent.name if cfg.data.train else cfg.task.name
     result = {"settings": {**overrides, "lr": runs["trained"]["lr"], "group_size": cfg.sampling.n,
-                           "max_new_tokens": cfg.sampling.max_new_tokens, "task": cfg.task.name},
+                           "max_new_tokens": cfg.sampling.max_new_tokens, "task": task, "config": args.config},
               "hardware": hw, "runs": runs, "final_window_gap": gap}
     tag = "_".join(x.replace(" ", "-") for x in hw.get("gpus", [hw["cpu"]])[:1])
-    name = f"learning_curve_{args.engine}_{args.model_shape}_{tag}"
+    name = f"learning_curve_{task + '_' if cfg.data.train else ''}{args.engine}_{args.model_shape}_{tag}"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     try:
         import matplotlib
@@ -118,10 +127,13 @@ async def main(args: argparse.Namespace) -> dict:
 
         fig, ax = plt.subplots(figsize=(7, 4))
         for label, r in runs.items():
-            ax.plot(r["reward_per_step"], label=f"{label} (lr={r['lr']})", lw=1)
+            line, = ax.plot(r["reward_per_step"], label=f"{label} (lr={r['lr']})", lw=1)
+            if r["eval"]:  # held-out prompts, at the steps they were evaluated
+                ax.plot([e["step"] for e in r["eval"]], [e["eval/reward_mean"] for e in r["eval"]], "o--",
+                        color=line.get_color(), ms=4, lw=0.8, label=f"{label}: eval reward")
         ax.set_xlabel("step")
         ax.set_ylabel("batch mean reward")
-        ax.set_title(f"{cfg.task.name}: {args.engine}, {args.model_shape}, staleness <= {cfg.pipeline.max_staleness}")
+        ax.set_title(f"{task}: {args.engine}, {args.model_shape}, staleness <= {cfg.pipeline.max_staleness}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=90)

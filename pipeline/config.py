@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -85,7 +86,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """The built-in task (research code passes its own prompts and reward instead)."""
+    """The built-in task, used when data.train is empty (research code may pass its own prompts and reward)."""
 
     name: Literal["char_class", "copy"] = "char_class"  # see pipeline.tasks for what each rewards
     num_prompts: int = 512  # size of the prompt set; the source cycles through it in epochs
@@ -94,6 +95,86 @@ class TaskConfig:
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "task.num_prompts", ">= 1", self.num_prompts)
         _check_seed("task.seed", self.seed)
+
+
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+
+
+def _check_data_path(key: str, value: str) -> None:
+    """A data file (by suffix) or a datasets.save_to_disk directory that exists."""
+    _check_path(key, value)
+    if not value:
+        return
+    # os.path's tests never raise: an unreadable or malformed path is simply "not there"
+    if not os.path.exists(value):
+        raise ConfigError(f"{key}: {_show(value)} does not exist")
+    if os.path.isdir(value):
+        if not os.path.isfile(os.path.join(value, "dataset_info.json")) and \
+                not os.path.isfile(os.path.join(value, "dataset_dict.json")):
+            raise ConfigError(f"{key}: directory {_show(value)} is not one written by datasets' save_to_disk "
+                              "(no dataset_info.json or dataset_dict.json)")
+    elif not value.lower().endswith(_DATA_SUFFIXES):
+        raise ConfigError(f"{key} must be a {', '.join(_DATA_SUFFIXES)} file or a datasets.save_to_disk "
+                          f"directory, got {_show(value)}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Your own prompts from files; a row is {"prompt": text or [{role, content}, ...], "id"?, **columns for the reward}."""
+
+    train: str = ""  # training prompts: .jsonl, .json, .parquet, .csv or a save_to_disk directory; "" = the built-in [task]
+    eval: str = ""  # held-out prompts for [eval], same formats; "" = none (a built-in task holds out prompts of its own)
+    prompt_field: str = "prompt"  # the column holding each row's prompt
+    shuffle: bool = True  # reshuffle the training prompts every epoch
+    seed: int = 0  # seed of that shuffle
+    apply_chat_template: bool = False  # string prompts go through the chat template too (message lists always do)
+    chat_template: str = ""  # a jinja file replacing the tokenizer's chat template; "" = the tokenizer's own
+    system_prompt: str = ""  # a system message put first in every chat prompt that has none; "" = none
+
+    def __post_init__(self) -> None:
+        _check_data_path("data.train", self.train)
+        _check_data_path("data.eval", self.eval)
+        _check(self.prompt_field.strip() != "", "data.prompt_field", "a column name", self.prompt_field)
+        _check_seed("data.seed", self.seed)
+        _check_path("data.chat_template", self.chat_template)
+        if self.chat_template and not os.path.isfile(self.chat_template):
+            raise ConfigError(f"data.chat_template must be a jinja file; {_show(self.chat_template)} "
+                              + ("is not a file" if os.path.exists(self.chat_template) else "does not exist"))
+
+
+_REWARD_ENTRY = re.compile(r"[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """Reward functions by import path, each `fn(prompts, completions, **kwargs) -> list[float]` (TRL's)."""
+
+    functions: tuple[str, ...] = ()  # "package.module:fn" or "path/to/file.py:fn"; () = the built-in task's reward
+    weights: tuple[float, ...] = ()  # one per function; () = 1 each; the reward is the weighted sum
+
+    def __post_init__(self) -> None:
+        for i, entry in enumerate(self.functions):
+            _check(_REWARD_ENTRY.fullmatch(entry) is not None, f"reward.functions[{i}]",
+                   '"package.module:function" or "path/to/file.py:function"', entry)
+        _check(len(set(self.functions)) == len(self.functions), "reward.functions", "distinct entries", self.functions)
+        if self.weights and len(self.weights) != len(self.functions):
+            raise ConfigError(f"reward.weights has {len(self.weights)} entries for {len(self.functions)} "
+                              "reward.functions; give one weight per function, or none")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation on the generating engines at the current version; never trained."""
+
+    every: int = 0  # steps between evaluations, which also run before the first step and after the last; 0 = off
+    n: int = 4  # samples per eval prompt: pass@1 and pass@n are estimated from them
+    max_prompts: int = 64  # eval prompts per evaluation (the first of the eval set); 0 = all
+    pass_threshold: float = 1.0  # a sample passes when its reward is >= this
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "eval.every", ">= 0 (0 = off)", self.every)
+        _check(self.n >= 1, "eval.n", ">= 1", self.n)
+        _check(self.max_prompts >= 0, "eval.max_prompts", ">= 0 (0 = all)", self.max_prompts)
 
 
 @dataclass(frozen=True)
@@ -385,6 +466,15 @@ class LogConfig:
 
     level: Literal["debug", "info", "warning", "error"] = "info"  # console level; files get everything
     progress: bool = True  # progress bar on the console (only when it is a terminal)
+    trackers: tuple[Literal["tensorboard", "wandb"], ...] = ()  # send metrics rows to "tensorboard", "wandb" too (extras)
+
+    def __post_init__(self) -> None:
+        _check(len(set(self.trackers)) == len(self.trackers), "log.trackers", "distinct trackers", self.trackers)
+        for name in self.trackers:
+            # find_spec finds the package without importing it (wandb and tensorboard take a second or two)
+            if importlib.util.find_spec(name) is None:
+                raise ConfigError(f'log.trackers includes "{name}" but the {name} package is not installed; '
+                                  f'pip install -e ".[{name}]"')
 
 
 @dataclass(frozen=True)
@@ -395,6 +485,9 @@ class RunConfig:
     out: str = ""  # run directory; "" = runs/<timestamp>
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -406,6 +499,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check_seed("seed", self.seed)
         _check_path("out", self.out)
+        if self.data.train and not self.reward.functions:
+            raise ConfigError(f"data.train = {_show(self.data.train)} needs reward.functions: the reward of your "
+                              'prompts, e.g. functions = ["my_rewards.py:correct"] under [reward]')
         bad = self.sampling.off_policy_settings()
         if self.loss.correction != "none" and bad:
             raise ConfigError(

@@ -12,7 +12,7 @@
     └── RecoverableError         one unit of work failed; it is counted, logged and the run goes on
         ├── GenerationError      one engine call failed or timed out
         ├── RewardError          a reward function raised or returned a bad value
-        └── PromptError          a malformed prompt (empty, too long) refused on its own
+        └── PromptError          a malformed prompt (empty, too long, ...) refused on its own, with a reason
 
 Recoverable errors are caught by the orchestrator where fault tolerance is deliberate; every
 other exception ends the run with that error.
@@ -68,4 +68,10 @@ class RewardError(RecoverableError):
 
 
 class PromptError(RecoverableError):
-    """A prompt was refused (empty, or longer than the model's context)."""
+    """A prompt was refused (malformed, empty, longer than the model's context, no chat template).
+
+    `reason` is a short code counted per run (see pipeline.prompts.REASONS)."""
+
+    def __init__(self, message: str, reason: str = "malformed") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -51,10 +51,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import math
-import operator
 import os
 import signal
 import sys
@@ -73,6 +73,7 @@ from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
 from pipeline.checkpoint import CheckpointStore
 from pipeline.config import RunConfig, dump_toml
 from pipeline.engines.base import Engine
+from pipeline.evaluation import MAX_EVAL_PROMPTS, VersionPins, eval_group_id, eval_row, is_due, round_metrics
 from pipeline.errors import (AdapterError, ConfigError, EngineDeadError, FatalError, GenerationError, PromptError,
                              RecoverableError, RewardError, TrainerError)
 from pipeline.faults import crash_point
@@ -80,9 +81,12 @@ from pipeline.ledger import Ledger
 from pipeline.log import close_logging, configure_logging
 from pipeline.loss import logprob_mismatch
 from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter, read_jsonl
+from pipeline.prompts import PromptBuilder, read_chat_template
 from pipeline.rewards import RewardFn, RewardScorer
+from pipeline.refusals import LOGGED_PER_REASON, Refusals
 from pipeline.rollout_log import RolloutLog
 from pipeline.tasks import PromptSource, build_task
+from pipeline.trackers import Trackers, open_trackers
 from pipeline.types import (AdapterRef, Batch, Generation, GroupOutcome, GroupRequest, Prompt, RolloutGroup,
                             TrainStats)
 
@@ -159,13 +163,20 @@ class Pipeline:
                  reward: RewardFn | Sequence[RewardFn] | None = None, reward_weights: Sequence[float] | None = None,
                  engines: Sequence[Engine] | None = None, trainer: Any | None = None,
                  tokenizer: Any | None = None, run_dir: str | Path | None = None, epochs: int | None = None,
-                 console: bool = True, resume: bool = False, handle_signals: bool = False) -> None:
+                 console: bool = True, resume: bool = False, handle_signals: bool = False,
+                 eval_prompts: Iterable[Any] | None = None) -> None:
         self.config = config or RunConfig()
         cfg = self.config
-        if (prompts is None) != (reward is None):
-            raise ValueError("pass both prompts and reward, or neither (then the built-in task is used)")
-        self._user_prompts = prompts
-        self._user_reward = reward
+        if reward is None and cfg.reward.functions:  # imported now: a bad entry fails before anything is written
+            from pipeline.rewards import load_reward_function
+
+            reward = [load_reward_function(e, f"reward.functions[{i}]") for i, e in enumerate(cfg.reward.functions)]
+            reward_weights = reward_weights or cfg.reward.weights or None
+        if reward is None and (prompts is not None or cfg.data.train):
+            raise ValueError("your own prompts need a reward: pass reward=..., or set reward.functions in the config")
+        self._user_prompts = prompts  # None: data.train's rows, or the built-in task's prompts
+        self._user_eval_prompts = eval_prompts  # None: data.eval's rows, or the built-in task's held-out prompts
+        self._user_reward = reward  # None: the built-in task's reward
         self._reward_weights = reward_weights
         self._user_engines = list(engines) if engines is not None else None
         self._user_trainer = trainer
@@ -179,7 +190,8 @@ class Pipeline:
         self.summary: dict[str, Any] = {}
         # busy spans (monotonic start, end): one per engine call (its groups share it), one per step
         self.timeline: dict[str, list[tuple[float, float]]] = {"generation": [], "training": []}
-        self.metrics_rows: list[dict[str, Any]] = []
+        self.metrics_rows: list[dict[str, Any]] = []  # one per training step
+        self.eval_rows: list[dict[str, Any]] = []  # one per evaluation round (eval/* keys)
 
     # ================================================================== public entry points
 
@@ -231,9 +243,11 @@ class Pipeline:
         self._queue = queue
         self.rollout_log: RolloutLog | None = None
         self.metrics: MetricsWriter | None = None
+        self.trackers: Trackers | None = None  # log.trackers, opened with metrics.jsonl
         self.lag = LoopLagMonitor()
         self.buffer: RolloutBuffer | None = None  # None until set-up has finished
         self.trainer: Any = None
+        self._refusals: Refusals | None = None  # this session's refused prompts, once the source is built
         self._threads_before: int | None = None  # torch threads to restore at the end
         self._switch_before: float | None = None  # the GIL switch interval to restore at the end
         self._gc_before: tuple[int, ...] | None = None  # the collector's thresholds to restore at the end
@@ -257,6 +271,16 @@ class Pipeline:
     async def _setup(self) -> None:
         cfg = self.config
         t0 = time.monotonic()
+        # prompts and rewards first (a bad data file is said before a model is built): the
+        # caller's, the data files', or the built-in task's
+        items, eval_items, reward = await asyncio.to_thread(self._prompt_sets)
+        if cfg.data.train and self._user_prompts is None:
+            self.source = PromptSource(items, seed=cfg.data.seed, epochs=self._epochs, shuffle=cfg.data.shuffle)
+        else:
+            self.source = PromptSource(items, seed=cfg.seed, epochs=self._epochs, shuffle=True)
+        self._eval_items = eval_items[:cfg.eval.max_prompts or MAX_EVAL_PROMPTS] if cfg.eval.every else []
+        self.scorer = RewardScorer(reward, self._reward_weights)
+        self._refusals = Refusals(len(self.source.items))
         needs_model = (self._user_engines is None and cfg.engine.kind != "simulated") or \
             (self._user_trainer is None and cfg.trainer.kind == "peft") or self._tokenizer is None
         self.model_path: str | None = None
@@ -275,17 +299,9 @@ class Pipeline:
             self._decode_parallel = batch_decoder(self.tokenizer, parallel=True)  # in a worker thread
         self.max_context = self._max_context()
 
-        # prompts and rewards
-        if self._user_prompts is None:
-            task = build_task(cfg.task, cfg.sampling.max_new_tokens)
-            items, reward = task.prompts, task.reward
-        else:
-            items, reward = self._user_prompts, self._user_reward
-        self.source = PromptSource(items, seed=cfg.seed, epochs=self._epochs, shuffle=True)
-        self.scorer = RewardScorer(reward, self._reward_weights)
-        # id(item) -> (item, its Prompt): each item is converted (and tokenized) once, not every
-        # time the stream draws it; the item is kept beside it so a reused id cannot match
-        self._prompts: dict[int, tuple[Any, Prompt]] = {}
+        # id(item) -> (item, its Prompt or the PromptError refusing it): each item is converted (and
+        # tokenized) once, not every time the stream draws it; the item is kept so a reused id cannot match
+        self._prompts: dict[int, tuple[Any, Prompt | PromptError]] = {}
 
         # storage, and where a resumed run starts from
         pc = cfg.pipeline
@@ -307,6 +323,8 @@ class Pipeline:
                               f"pipeline.steps is {pc.steps}; raise it (--steps N) to train further")
         self.ledger = Ledger.from_snapshot(ck.state["ledger"], self.source.total) if ck else Ledger(self.source.total)
         self.checkpoint_step: int | None = ck.step if ck else None
+        # evaluation rounds the checkpoint covers (their rows are within its log rows); the others are redone
+        self._eval_done: set[int] = set(ck.state.get("eval_done", ())) if ck else set()
         self.store = AdapterStore(cfg.store.root or self.run_dir / "adapters", base_model=str(self.model_path or ""),
                                   keep_last=cfg.store.keep_last, kind=cfg.trainer.update)
         self.rollout_log = RolloutLog(self.run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)},
@@ -315,10 +333,15 @@ class Pipeline:
             # what happened after the checkpoint is redone: cut it from the log, the store and the metrics
             self.rollout_log.truncate(int(ck.state["log_rows"]) if ck else 0)
             await asyncio.to_thread(self.store.discard_after, max(0, self.start_version - 1))
-            self.metrics_rows = self._keep_metrics(self.start_step)
+            kept = self._keep_metrics(self.start_step)
+            self.metrics_rows = [r for r in kept if "eval/groups" not in r]
+            self.eval_rows = [r for r in kept if "eval/groups" in r]
             log.info("run_resumed", run_dir=str(self.run_dir), step=self.start_step, version=self.start_version,
                      requeued=self.ledger.queued, cursor=self.ledger.cursor)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        if cfg.log.trackers:  # here, past the checks above: a refused run leaves no tracker files behind
+            self.trackers = await asyncio.to_thread(open_trackers, cfg.log.trackers, self.run_dir,
+                                                    replace(cfg, out=str(self.run_dir)))
 
         self._share_cpu()
         if any(d.startswith("cuda") for d in (*cfg.engine.devices, cfg.trainer.device)):
@@ -353,6 +376,12 @@ class Pipeline:
         served = [n for e in self.engines if isinstance(n := getattr(e, "max_model_len", None), int)]
         if served:
             self.max_context = min(served + ([self.max_context] if self.max_context is not None else []))
+        dc = cfg.data
+        self.prompt_builder = PromptBuilder(
+            self.tokenizer, max_new_tokens=cfg.sampling.max_new_tokens, max_context=self.max_context,
+            prompt_field=dc.prompt_field, apply_chat_template=dc.apply_chat_template,
+            chat_template=read_chat_template(dc.chat_template) if dc.chat_template else None,
+            system_prompt=dc.system_prompt)
         if ck is not None:
             # the trainer continues from the checkpoint; its version is published again (the same
             # bytes, the same directory name) and every engine serves it before the first group
@@ -370,6 +399,11 @@ class Pipeline:
         # groups of earlier sessions, by fate: the run's totals are these plus this session's
         self._base = Counter(self.ledger.fates)
         self._published = asyncio.Event()
+        self._serving = asyncio.Event()  # set (then replaced) when engines serve a new version
+        self.eval_pins = VersionPins()  # versions evaluation rounds sample with
+        self._eval_due: asyncio.Queue[int] = asyncio.Queue()  # steps whose policy is to be evaluated
+        self._eval_queued: set[int] = set()
+        self._eval_prompts: list[Prompt | None] | None = None  # the eval items as Prompts, converted once
         self._publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
         self.drain_s: dict[int, float] = {}  # full-weight updates: version -> seconds admission paused for the drain
@@ -386,10 +420,37 @@ class Pipeline:
                  model=self.model_path, setup_s=round(self.setup_s, 2), batch_groups=pc.batch_groups,
                  max_staleness=pc.max_staleness, group_size=cfg.sampling.n)
 
+    def _prompt_sets(self) -> tuple[list[Any], list[Any], Any]:
+        """(training items, eval items, reward) from the caller, the data files or the built-in task."""
+        cfg = self.config
+        from pipeline.data import load_rows
+
+        task = None
+        if self._user_prompts is None and not cfg.data.train or self._user_reward is None:
+            task = build_task(cfg.task, cfg.sampling.max_new_tokens)
+        if self._user_prompts is not None:
+            items = list(self._user_prompts)
+        else:
+            items = load_rows(cfg.data.train, "data.train") if cfg.data.train else task.prompts
+        eval_items: list[Any] = []
+        if self._user_eval_prompts is not None:
+            eval_items = list(self._user_eval_prompts)
+        elif cfg.data.eval:
+            eval_items = load_rows(cfg.data.eval, "data.eval")
+        elif cfg.eval.every and task is not None and self._user_prompts is None and not cfg.data.train:
+            # the built-in task holds out prompts drawn with another seed
+            eval_items = build_task(replace(cfg.task, seed=cfg.task.seed + 1), cfg.sampling.max_new_tokens).prompts
+        if cfg.eval.every and not eval_items:
+            raise ConfigError("eval.every is set but there are no eval prompts: set data.eval to a file "
+                              "(or pass eval_prompts= to Pipeline)")
+        return items, eval_items, self._user_reward or task.reward
+
     def _keep_metrics(self, step: int) -> list[dict[str, Any]]:
-        """Rewrite metrics.jsonl with the rows of steps <= `step` only; return them."""
+        """Rewrite metrics.jsonl with the step rows of steps <= `step` and the eval rows of the rounds
+        the checkpoint covers only; return them."""
         path = self.run_dir / "metrics.jsonl"
-        rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step] if path.exists() else []
+        rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step
+                and ("eval/groups" not in r or r["step"] in self._eval_done)] if path.exists() else []
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         os.replace(tmp, path)
@@ -552,6 +613,10 @@ class Pipeline:
         self._spawn(self._admission_loop(), "admission-loop")
         self._spawn(self._adapter_loop(), "adapter-loop")
         self._spawn(self._flush_loop(), "rollout-log-flush-loop")
+        if self._eval_items:
+            self._spawn(self._eval_loop(), "eval-loop")
+            if is_due(self.start_step, self.config.eval.every, self.config.pipeline.steps):
+                self._request_eval(self.start_step)  # before the first step (again on resume, if it was cut)
         train = self._spawn(self._train_loop(), "train-loop")
         done, _ = await asyncio.wait({train, self._failure}, return_when=asyncio.FIRST_COMPLETED)
         if self._failure.done():
@@ -561,36 +626,8 @@ class Pipeline:
     # ================================================================== the loops
 
     def _to_prompt(self, item: Any) -> Prompt:
-        """A data-source item as a validated Prompt (PromptError if it is malformed)."""
-        if isinstance(item, Prompt):
-            prompt = item
-        else:
-            if isinstance(item, str):
-                item = {"prompt": item}
-            if not isinstance(item, dict) or not ("prompt" in item or "token_ids" in item):
-                raise PromptError(f"a prompt must be a Prompt, a string or a dict with 'prompt', got {str(item)[:60]!r}")
-            text = item.get("prompt", "")
-            pid = str(item.get("id", text))
-            ids = item.get("token_ids")
-            if ids is None:
-                if self.tokenizer is None:
-                    raise PromptError(f"prompt {pid!r} has no token_ids and the pipeline has no tokenizer")
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            meta = {k: v for k, v in item.items() if k not in ("prompt", "id", "token_ids")}
-            try:
-                # plain ints: numpy ids (a numpy or pandas data set) are refused by vLLM's serialiser
-                ids = tuple(map(operator.index, ids))
-            except TypeError:
-                raise PromptError(f"prompt {pid!r}: token_ids must be integers, got "
-                                  f"{str(list(ids)[:8])[:60]}") from None
-            prompt = Prompt(id=pid, text=text, token_ids=ids, meta=meta)
-        if not prompt.token_ids:
-            raise PromptError(f"prompt {prompt.id!r} is empty")
-        need = len(prompt.token_ids) + self.config.sampling.max_new_tokens
-        if self.max_context is not None and need > self.max_context:
-            raise PromptError(f"prompt {prompt.id!r} has {len(prompt.token_ids)} tokens; with max_new_tokens "
-                              f"{self.config.sampling.max_new_tokens} it exceeds the context of {self.max_context}")
-        return prompt
+        """A data-source item as a validated Prompt (PromptError, with its reason, if it cannot be one)."""
+        return self.prompt_builder.build(item)
 
     async def _admission_loop(self) -> None:
         """Consumes ledger ids (stream positions); produces generation tasks; waits on admission.
@@ -605,6 +642,7 @@ class Pipeline:
         while (gid := self.ledger.next_id()) is not None:
             prompt = self._prompt_or_refuse(gid)
             if prompt is None:
+                await asyncio.sleep(0)  # a run of refusals must not hold the loop: signal handlers run on it
                 continue
             adm = await self.buffer.admit(gid)
             if adm is None:
@@ -615,9 +653,10 @@ class Pipeline:
             ids, prompts = [gid], [prompt]
             while len(ids) <= room and (gid := self.ledger.next_id()) is not None:
                 prompt = self._prompt_or_refuse(gid)
-                if prompt is not None:
-                    ids.append(gid)
-                    prompts.append(prompt)
+                if prompt is None:
+                    break  # refusals end the wave: the outer loop yields between them
+                ids.append(gid)
+                prompts.append(prompt)
             adms = [adm, *self.buffer.try_admit_many(ids[1:])]
             for gid in reversed(ids[len(adms):]):  # not started (nothing awaited since `room`, so none)
                 self.ledger.give_back(gid)
@@ -632,19 +671,30 @@ class Pipeline:
         log.info("prompts_exhausted", cursor=self.ledger.cursor)
 
     def _prompt_or_refuse(self, gid: int) -> Prompt | None:
-        """Item `gid` of the stream as a Prompt; a malformed one is refused (settled), not the run."""
-        item = self.source.item_at(gid)
+        """Item `gid` of the stream as a Prompt; a malformed one is refused (settled), not the run,
+        unless every item of the source is (ConfigError: the run could only refuse them again)."""
+        index = self.source.index_at(gid)
+        item = self.source.items[index]
         hit = self._prompts.get(id(item))
-        if hit is not None and hit[0] is item:
+        if hit is None or hit[0] is not item:
+            try:
+                hit = (item, self._to_prompt(item))
+                self._refusals.accept()
+            except PromptError as e:  # this item is refused, now and whenever the stream draws it again
+                hit = (item, e)
+            self._prompts[id(item)] = hit
+        if not isinstance(hit[1], PromptError):
             return hit[1]
-        try:
-            prompt = self._to_prompt(item)
-        except PromptError as e:
-            self.ledger.settle(gid, "refused", "malformed")
-            log.warning("prompt_refused", group_id=gid, reason=str(e))
-            return None
-        self._prompts[id(item)] = (item, prompt)
-        return prompt
+        error = hit[1]
+        self.ledger.settle(gid, "refused", error.reason)
+        n = self._refusals.refuse(index, error.reason, str(error))
+        if n <= LOGGED_PER_REASON:
+            more = {"hint": "further refusals of this kind are counted, not logged"} if n == LOGGED_PER_REASON else {}
+            log.warning("prompt_refused", group_id=gid, reason=str(error), kind=error.reason, **more)
+        if self._refusals.everything_refused:
+            raise ConfigError(f"every prompt of the data set was refused: {self._refusals.items} of "
+                              f"{self._refusals.items} distinct prompts, none usable ({self._refusals.describe()})")
+        return None
 
     def _start(self, adms: list[Admission], prompts: list[Prompt]) -> list[tuple[Admission, GroupRequest]]:
         """Admitted groups are in flight: each one's request, and its entry among the live groups."""
@@ -800,8 +850,20 @@ class Pipeline:
 
     def _refs_in_use(self) -> list[AdapterRef]:
         """The adapters a group in flight, or the next one admitted, may ask an engine for (not the base)."""
-        versions = {self._served, *(self.buffer.in_flight_versions() if self.buffer is not None else ())}
+        versions = {self._served, *(self.buffer.in_flight_versions() if self.buffer is not None else ()),
+                    *self.eval_pins.versions()}
         return [self._adapters[v] for v in sorted(versions) if v > 0 and v in self._adapters]
+
+    @contextlib.asynccontextmanager
+    async def _engine_call(self) -> AsyncIterator[tuple[Engine, int]]:
+        """An engine for one call, with its epoch when the call was sent, counted as loaded while it runs."""
+        engine = await self._engine_for_call()
+        epoch = self._epoch[engine.name]
+        self._engine_load[engine.name] += 1
+        try:
+            yield engine, epoch
+        finally:
+            self._engine_load[engine.name] -= 1
 
     async def _generate(self, adm: Admission, request: GroupRequest, attempt: int = 0) -> Generation | None:
         """One group from the engines: retried (with backoff, on the least loaded engine) until it
@@ -811,21 +873,18 @@ class Pipeline:
         while True:
             if attempt:
                 await asyncio.sleep(ec.retry_backoff_s * 2 ** (attempt - 1))
-            engine = await self._engine_for_call()
-            epoch = self._epoch[engine.name]
-            self._engine_load[engine.name] += 1
-            try:
-                async with asyncio.timeout(ec.request_timeout_s):
-                    gen = await engine.generate(request, self._adapters[adm.version])
-                self._engine_errors[engine.name] = 0
-                return gen
-            except _ENGINE_ERRORS as e:
-                self._engine_failed(engine, e, epoch)
-                attempt = await self._after_failed_attempt(adm, engine, e, attempt)
-                if attempt < 0:
-                    return None
-            finally:
-                self._engine_load[engine.name] -= 1
+            async with self._engine_call() as (engine, epoch):
+                try:
+                    async with asyncio.timeout(ec.request_timeout_s):
+                        gen = await engine.generate(request, self._adapters[adm.version])
+                    self._engine_errors[engine.name] = 0
+                    return gen
+                except _ENGINE_ERRORS as e:
+                    error = e
+            self._engine_failed(engine, error, epoch)
+            attempt = await self._after_failed_attempt(adm, engine, error, attempt)
+            if attempt < 0:
+                return None
 
     async def _after_failed_attempt(self, adm: Admission, engine: Engine, error: BaseException, attempt: int) -> int:
         """The attempt to retry next, or -1: the group failed for good (settled here).
@@ -860,18 +919,14 @@ class Pipeline:
         """Groups admitted together (one version), sampled by one `generate_many` call; a group
         the call failed goes on alone, through the per-group retries."""
         ec = self.config.engine
-        engine = await self._engine_for_call()
-        epoch = self._epoch[engine.name]
-        self._engine_load[engine.name] += 1
-        try:
-            async with asyncio.timeout(ec.request_timeout_s):
-                results = await engine.generate_many([r for _, r in wave], self._adapters[wave[0][0].version])
-            if len(results) != len(wave):
-                raise GenerationError(f"engine {engine.name} returned {len(results)} results for {len(wave)} groups")
-        except _ENGINE_ERRORS as e:
-            results = [e] * len(wave)
-        finally:
-            self._engine_load[engine.name] -= 1
+        async with self._engine_call() as (engine, epoch):
+            try:
+                async with asyncio.timeout(ec.request_timeout_s):
+                    results = await engine.generate_many([r for _, r in wave], self._adapters[wave[0][0].version])
+                if len(results) != len(wave):
+                    raise GenerationError(f"engine {engine.name} returned {len(results)} results for {len(wave)} groups")
+            except _ENGINE_ERRORS as e:  # this call failed: each group goes on alone through its retries
+                results = [e] * len(wave)
         done: list[tuple[Admission, Generation]] = []
         failed = False
         for (adm, request), r in zip(wave, results):
@@ -907,32 +962,22 @@ class Pipeline:
                 continue
             keep.append((adm, gen))
         ids = [[c.token_ids.tolist() for c in gen.completions] for _, gen in keep]
-        if self.tokenizer is not None:
-            every = [x for per in ids for x in per]
-            if sum(map(len, every)) >= DECODE_OFF_LOOP_TOKENS:  # off the loop: vLLM's output handling runs there
-                flat = await asyncio.to_thread(self._decode_parallel, every)
-            else:
-                flat = self._decode(every)
-            texts, i = [], 0
-            for per in ids:
-                texts.append(flat[i:i + len(per)])
-                i += len(per)
-        else:
-            texts = [[""] * len(per) for per in ids]
-        scores = await self.scorer.score_many([gen.request.prompt for _, gen in keep], texts, ids)
+        texts = await self._texts(ids)
+        scores = await self.scorer.score_many_parts([gen.request.prompt for _, gen in keep], texts, ids)
         groups: list[RolloutGroup] = []
         now = time.monotonic()
-        for (adm, gen), rewards in zip(keep, scores):
-            if isinstance(rewards, RewardError):  # a reward bug fails this group; the run goes on
-                log.warning("group_failed", group_id=adm.group_id, reason="reward_error", error=str(rewards))
+        for (adm, gen), scored in zip(keep, scores):
+            if isinstance(scored, RewardError):  # a reward bug fails this group; the run goes on
+                log.warning("group_failed", group_id=adm.group_id, reason="reward_error", error=str(scored))
                 await self._settle_failed(adm.group_id, "reward_error", gen, None)
                 continue
+            rewards, parts = scored
             self._consecutive_failures = 0
             if cfg.pipeline.filter_zero_advantage and rewards.min() == rewards.max():
                 await self.buffer.drop(adm.group_id, "zero_advantage")
                 self._record(adm.group_id, "dropped", "zero_advantage", -1, gen, rewards)
                 continue
-            groups.append(RolloutGroup(gen, rewards, now))
+            groups.append(RolloutGroup(gen, rewards, now, parts))
         try:
             await self.buffer.put_many(groups)
             self.ledger.set_state_many([g.group_id for g in groups], "buffered")
@@ -942,6 +987,21 @@ class Pipeline:
                 if self.buffer.is_in_flight(g.group_id):  # not stored before the close
                     self.buffer.settle_in_flight(g.group_id, "shutdown")
                     self._record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+
+    async def _texts(self, ids: list[list[list[int]]]) -> list[list[str]]:
+        """Each group's completions [groups][n] of token ids decoded ("" each without a tokenizer)."""
+        if self.tokenizer is None:
+            return [[""] * len(per) for per in ids]
+        every = [x for per in ids for x in per]
+        if sum(map(len, every)) >= DECODE_OFF_LOOP_TOKENS:  # off the loop: vLLM's output handling runs there
+            flat = await asyncio.to_thread(self._decode_parallel, every)
+        else:
+            flat = self._decode(every)
+        texts, i = [], 0
+        for per in ids:
+            texts.append(flat[i:i + len(per)])
+            i += len(per)
+        return texts
 
     async def _settle_failed(self, group_id: int, reason: str, gen: Generation | None,
                              rewards: np.ndarray | None) -> None:
@@ -993,6 +1053,7 @@ class Pipeline:
                     t_drain = time.monotonic()
                     self.buffer.pause_admission()
                     await self.buffer.wait_drained()
+                    await self.eval_pins.hold_swaps()  # and an evaluation sampling these weights
                     self.drain_s[newest] = time.monotonic() - t_drain
                 await self._load_on_engines(ref)
             except (AdapterError, OSError) as e:
@@ -1000,6 +1061,7 @@ class Pipeline:
                     # engines that did load it go back to the served weights, so every engine serves one version
                     await self._load_on_engines(self._adapters[served])
                     await self.buffer.resume_admission()
+                    await self.eval_pins.release_swaps()
                 # keep serving the last good version while the staleness bound allows; then stop clearly
                 self._load_failures[newest] = repr(e)
                 log.error("adapter_load_failed", version=newest, path=ref.path, error=str(e), serving=served)
@@ -1010,12 +1072,14 @@ class Pipeline:
                 continue
             self.publish_to_loaded[newest] = time.monotonic() - self._publish_t[newest]
             served = self._served = newest  # an engine restarted from now on loads it before it serves
+            self._serving_changed()
             structlog.contextvars.bind_contextvars(policy_version=served)
             await self.buffer.set_serving_version(served)
             if full:
                 await self.buffer.resume_admission()
+                await self.eval_pins.release_swaps()
             log.debug("adapter_serving", version=served, publish_to_loaded_s=round(self.publish_to_loaded[newest], 4))
-            keep_from = min(self.buffer.in_flight_versions() + [served - K])
+            keep_from = min(self.buffer.in_flight_versions() + self.eval_pins.versions() + [served - K])
             for v in [v for v in self._adapters if 0 < v < keep_from]:
                 old = self._adapters.pop(v)
                 await self._unload_on_engines(old, list(self._healthy))
@@ -1091,7 +1155,7 @@ class Pipeline:
             return  # nothing trained yet, or this step is already checkpointed
         # one moment on the loop: the ledger and the RolloutLog agree on what has settled
         state = {"ledger": self.ledger.snapshot(), "log_rows": len(self.rollout_log), "version": self.trainer.version,
-                 "update": self.config.trainer.update,
+                 "update": self.config.trainer.update, "eval_done": sorted(self._eval_done),
                  "metrics_rows": len(self.metrics_rows), "wall_s": self._wall0 + time.monotonic() - self._t_start}
         await asyncio.to_thread(self.rollout_log.flush)  # rows [0, log_rows) are durable before the checkpoint
         await self._trainer_call("checkpoint", self.checkpoints.write, step, state, self.trainer.save_state)
@@ -1131,7 +1195,7 @@ class Pipeline:
             crash_point("step.after_record")
             version = stats.version
             row = self._step_row(batch, stats.metrics, check, wait_s, publish_s, ref)
-            self.metrics.write(row)
+            self._write_metrics(row)
             self.metrics_rows.append(row)
             self._queue.put_nowait(StepResult(step, version, row))
             log.debug("step", step=step, version=version, reward_mean=round(row["reward_mean"], 4),
@@ -1146,12 +1210,155 @@ class Pipeline:
                 raise TrainerError(f"{skips} training steps in a row had a non-finite loss or gradient "
                                    f"(trainer.max_consecutive_skips = {self.config.trainer.max_consecutive_skips}); "
                                    f"stopped after checkpointing step {step}: lower trainer.lr or check the rewards")
-            if pc.checkpoint_every and step % pc.checkpoint_every == 0:
+            if step < pc.steps and is_due(step, self.config.eval.every, pc.steps):
+                self._request_eval(step)
+            # the last step's checkpoint is the end's, after its evaluation, so the checkpoint covers it
+            if pc.checkpoint_every and step % pc.checkpoint_every == 0 and (step < pc.steps or not self._eval_items):
                 await self._checkpoint(step)
             if self._stop.is_set():
                 break
+        last = self.metrics_rows[-1]["step"] if self.metrics_rows else self.start_step
+        if self._eval_items and not self._stop.is_set():  # the end of the run (not a stop): evaluate the last policy
+            self._request_eval(last)
+            await self._until_stopped(self._eval_due.join())
         # the end of the run, or a stop request: the state to continue from
-        await self._checkpoint(len(self.metrics_rows) and self.metrics_rows[-1]["step"])
+        await self._checkpoint(last)
+
+    def _request_eval(self, step: int) -> None:
+        """Queue an evaluation round of the policy of `step` (once per step)."""
+        if step not in self._eval_queued and step not in self._eval_done:
+            self._eval_queued.add(step)
+            self._eval_due.put_nowait(step)
+
+    def _serving_changed(self) -> None:
+        """Wake whatever waits for a new serving version (each waits on the event it found; a new one follows)."""
+        self._serving.set()
+        self._serving = asyncio.Event()
+
+    async def _eval_loop(self) -> None:
+        """Consumes steps to evaluate; produces eval rows (metrics.jsonl, trackers) and eval groups
+        (rollouts.zarr, fate "eval"); waits on the step's version being served, then on the engines.
+
+        A round samples at the serving version once it is the step's (or, if engines could not load
+        that one, at the one they serve); it shares the engines with training groups, never the buffer.
+        """
+        while True:
+            step = await self._eval_due.get()
+            try:
+                while self._served < step and not any(v >= step for v in self._load_failures):
+                    await self._serving.wait()
+                await self._eval_round(step)
+            finally:
+                self._eval_due.task_done()
+
+    def _eval_prompt_list(self) -> list[Prompt | None]:
+        """The eval prompts (None where one is refused), converted once; ConfigError if all are refused."""
+        if self._eval_prompts is None:
+            prompts: list[Prompt | None] = []
+            reasons: Counter[str] = Counter()
+            for item in self._eval_items:
+                try:
+                    prompts.append(self._to_prompt(item))
+                except PromptError as e:
+                    prompts.append(None)
+                    if not reasons[e.reason]:
+                        log.warning("eval_prompt_refused", reason=e.reason, error=str(e))
+                    reasons[e.reason] += 1
+            if not any(p is not None for p in prompts):
+                raise ConfigError(f"every one of the {len(prompts)} eval prompts was refused "
+                                  f"({', '.join(f'{r}: {n}' for r, n in reasons.items())}); see events.jsonl")
+            self._eval_prompts = prompts
+        return self._eval_prompts
+
+    async def _eval_round(self, step: int) -> None:
+        """One evaluation of the serving policy: every eval prompt sampled eval.n times, scored, logged."""
+        ec, sampling = self.config.eval, self.config.sampling
+        t0 = time.monotonic()
+        prompts = self._eval_prompt_list()
+        base = self.config.seed * 1_000_003
+        requests = [GroupRequest(eval_group_id(step, i), p, ec.n, sampling.max_new_tokens,
+                                 (base + eval_group_id(step, i)) % 2**31 if sampling.per_request_seed else None)
+                    for i, p in enumerate(prompts) if p is not None]
+        version = await self.eval_pins.pin(lambda: self._served)
+        try:
+            results = await self._eval_generate(requests, self._adapters[version])
+        finally:
+            await self.eval_pins.unpin(version)
+        gens = [r for r in results if isinstance(r, Generation)]
+        texts = await self._texts([[c.token_ids.tolist() for c in g.completions] for g in gens])
+        scores = await self.scorer.score_many_parts([g.request.prompt for g in gens], texts,
+                                                    [[c.token_ids.tolist() for c in g.completions] for g in gens])
+        by_id = {g.request.group_id: s for g, s in zip(gens, scores)}
+        now = time.monotonic()
+        outcomes, rewards, parts = [], [], []
+        for request, r in zip(requests, results):
+            scored = by_id.get(request.group_id)
+            if not isinstance(r, Generation):
+                log.warning("eval_group_failed", step=step, group_id=request.group_id, error=repr(r))
+                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "generation_error",
+                                             step, None, None, t0, now))
+            elif isinstance(scored, RewardError):
+                log.warning("eval_group_failed", step=step, group_id=request.group_id, error=str(scored))
+                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "reward_error",
+                                             step, r, None, t0, now))
+            else:
+                rewards.append(scored[0])
+                parts.append(scored[1])
+                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "", step, r,
+                                             scored[0], t0, now))
+        # one moment on the loop: the round's rows and its metrics row appear together, or neither does
+        self.rollout_log.append_many(outcomes)
+        metrics = round_metrics(rewards, parts, self.scorer.names, ec.n, ec.pass_threshold)
+        row = eval_row(step, version, metrics, len(rewards), len(requests) - len(rewards),
+                       len(prompts) - len(requests), time.monotonic() - t0)
+        self._write_metrics(row)
+        self.eval_rows.append(row)
+        self._eval_done.add(step)
+        log.info("eval_done", step=step, version=version, groups=len(rewards), seconds=round(row["eval/seconds"], 3),
+                 **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items()})
+
+    async def _eval_generate(self, requests: list[GroupRequest], ref: AdapterRef) -> list[Generation | BaseException]:
+        """Each eval group's Generation or its last error: in calls of up to batch_groups groups
+        (generate_many where every engine has it, else one group a call), all at once; a call that
+        fails is retried (engine.retries, with backoff) for the groups it failed."""
+        ec = self.config.engine
+        size = self.config.pipeline.batch_groups if all(hasattr(e, "generate_many") for e in self.engines) else 1
+
+        async def chunk(part: list[GroupRequest]) -> list[Generation | BaseException]:
+            out: list[Generation | BaseException] = [GenerationError("not generated")] * len(part)
+            todo = list(range(len(part)))
+            for attempt in range(ec.retries + 1):
+                if attempt:
+                    await asyncio.sleep(ec.retry_backoff_s * 2 ** (attempt - 1))
+                async with self._engine_call() as (engine, epoch):
+                    try:
+                        async with asyncio.timeout(ec.request_timeout_s):
+                            if len(todo) == 1:
+                                got: list[Any] = [await engine.generate(part[todo[0]], ref)]
+                            else:
+                                got = list(await engine.generate_many([part[i] for i in todo], ref))
+                        if len(got) != len(todo):
+                            raise GenerationError(f"engine {engine.name} returned {len(got)} results for "
+                                                  f"{len(todo)} groups")
+                    except _ENGINE_ERRORS as e:  # this call failed: counted against the engine, retried
+                        got = [e] * len(todo)
+                for i, r in zip(todo, got):
+                    out[i] = r
+                todo = [i for i in todo if not isinstance(out[i], Generation)]
+                if not todo:
+                    self._engine_errors[engine.name] = 0
+                    break
+                self._engine_failed(engine, out[todo[0]], epoch)
+            return out
+
+        parts = await asyncio.gather(*(chunk(requests[i:i + size]) for i in range(0, len(requests), size)))
+        return [r for part in parts for r in part]
+
+    def _write_metrics(self, row: dict[str, Any]) -> None:
+        """A metrics row to metrics.jsonl, then to the trackers (log.trackers) at its step."""
+        self.metrics.write(row)
+        if self.trackers is not None:
+            self.trackers.log(row, step=row["step"])
 
     @property
     def _full_weights(self) -> bool:
@@ -1252,6 +1459,10 @@ class Pipeline:
         }
         if self._full_weights:  # how long admission waited for the drain before the load
             row["adapter/drain_s"] = self.drain_s.get(ref.version - 1, float("nan"))
+        parts = [g.reward_parts for g in batch.groups if g.reward_parts is not None]
+        if len(parts) == len(batch.groups):  # each function's own mean, beside the weighted reward_mean
+            means = np.concatenate(parts, axis=1).mean(axis=1)
+            row.update({f"reward/{name}": float(m) for name, m in zip(self.scorer.names, means)})
         row.update(train)
         row.update(check)
         return row
@@ -1313,6 +1524,11 @@ class Pipeline:
             await asyncio.to_thread(self.rollout_log.close)
         if self.metrics is not None:
             self.metrics.close()
+        if self.trackers is not None:
+            await asyncio.to_thread(self.trackers.close)
+        if self._refusals is not None and self._refusals.by_reason:  # what prompt_refused stopped logging
+            log.warning("prompts_refused", total=self._refusals.by_reason.total(),
+                        by_reason=dict(self._refusals.by_reason))
         if self.buffer is not None:
             self.summary = self._summary(wall, error)
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
@@ -1348,7 +1564,8 @@ class Pipeline:
         window = max(1, len(rows) // 5)
         session_rows = [r for r in rows if r["step"] > self.start_step]
         trained_tokens = sum(r["tokens"] for r in session_rows)
-        logged = len(self.rollout_log) if self.rollout_log is not None else 0
+        eval_logged = self.rollout_log.counts()["eval"] if self.rollout_log is not None else 0
+        logged = len(self.rollout_log) - eval_logged if self.rollout_log is not None else 0
         started, trained, dropped, failed = self._totals()
         live = c.in_flight + c.buffered + c.training
         return {
@@ -1360,6 +1577,9 @@ class Pipeline:
             "groups_dropped": dict(dropped),
             "groups_failed": dict(failed),
             "groups_logged": logged,
+            "eval_groups_logged": eval_logged,
+            "eval_rounds": len(self.eval_rows),
+            "eval_final": self.eval_rows[-1] if self.eval_rows else None,
             "prompts_refused": self.ledger.fates["refused"],
             "accounting_ok": live == 0 and started == trained + sum(dropped.values()) + sum(failed.values())
             and logged == started,

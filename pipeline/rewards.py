@@ -18,7 +18,12 @@ a reward function's exception escape as anything else.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import importlib
+import importlib.util
 import inspect
+import os
+import sys
 import time
 from bisect import bisect_right
 from itertools import chain
@@ -27,7 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import structlog
 
-from pipeline.errors import RewardError
+from pipeline.errors import ConfigError, RewardError
 from pipeline.types import Prompt
 
 log = structlog.get_logger(__name__)
@@ -37,6 +42,57 @@ RewardFn = Callable[..., Any]
 
 def _name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _unique(names: list[str]) -> list[str]:
+    """Names made distinct (`acc`, `acc_2`, ...), so each function has its own reward/<name> metric."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return out
+
+
+def load_reward_function(entry: str, key: str = "reward.functions") -> RewardFn:
+    """The function an entry names: "package.module:fn" (imported) or "path/to/file.py:fn" (run
+    from that file, relative to the working directory). ConfigError naming the entry if it fails."""
+    target, _, attr = entry.rpartition(":")
+    where = f"{key} entry {entry!r}"
+    is_file = target.endswith(".py") or "/" in target or os.sep in target
+    try:
+        if is_file:
+            path = os.path.abspath(target)
+            if not os.path.isfile(path):
+                raise ConfigError(f"{where}: file {target!r} does not exist")
+            # a name of its own per file, registered, so the module can import siblings and pickle
+            name = f"_pipeline_reward_{os.path.splitext(os.path.basename(path))[0]}_" \
+                   f"{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+            module = sys.modules.get(name)
+            if module is None:
+                spec = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(spec)
+                folder = os.path.dirname(path)
+                if folder not in sys.path:
+                    sys.path.append(folder)  # after everything else: a sibling never shadows a library
+                sys.modules[name] = module
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    del sys.modules[name]
+                    raise
+        else:
+            module = importlib.import_module(target)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import (missing, syntax error, its own raise): bad input
+        raise ConfigError(f"{where}: importing {target!r} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ConfigError(f"{where}: {target!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise ConfigError(f"{where}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
 
 
 class RewardScorer:
@@ -56,7 +112,8 @@ class RewardScorer:
         self.weights = list(weights) if weights is not None else [1.0] * len(self.fns)
         if len(self.weights) != len(self.fns):
             raise ValueError(f"{len(self.fns)} reward functions but {len(self.weights)} weights")
-        self.names = [_name(fn) for fn in self.fns]
+        self._weights = np.asarray(self.weights, dtype=np.float64)  # [F]: total = weights @ parts
+        self.names = _unique([_name(fn) for fn in self.fns])
         # classified once: inspect.iscoroutinefunction is slow enough to matter per group
         self.is_async = [inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
                          for fn in self.fns]
@@ -91,7 +148,14 @@ class RewardScorer:
 
     async def score_many(self, prompts: Sequence[Prompt], completions: Sequence[list[str]],
                          completion_ids: Sequence[list[list[int]]]) -> list[np.ndarray | RewardError]:
-        """`score` for several groups: each one's rewards [n] or its RewardError, in order.
+        """`score` for several groups: each one's rewards [n] or its RewardError, in order."""
+        out = await self.score_many_parts(prompts, completions, completion_ids)
+        return [r if isinstance(r, RewardError) else r[0] for r in out]
+
+    async def score_many_parts(self, prompts: Sequence[Prompt], completions: Sequence[list[str]],
+                               completion_ids: Sequence[list[list[int]]]
+                               ) -> list[tuple[np.ndarray, np.ndarray] | RewardError]:
+        """Each group's (weighted rewards [n], each function's own values [F, n]) or its RewardError.
 
         Each function is called once for all the groups together when their prompts have the
         same extra columns (otherwise, or for one group, once per group). A batched call that
@@ -110,9 +174,9 @@ class RewardScorer:
         N = len(flat)
         ends = np.cumsum(sizes).tolist()
         bounds = list(zip([0, *ends[:-1]], ends))  # [start, stop) of each group's completions
-        total = np.zeros(N, dtype=np.float64)
+        parts = np.zeros((len(self.fns), N), dtype=np.float64)
         errors: dict[int, RewardError] = {}
-        for i, w in enumerate(self.weights):
+        for i in range(len(self.fns)):
             try:
                 values = self._check(i, await self._invoke(i, texts, flat, kwargs), N)
             except RewardError as e:  # which groups? each alone, as `score` would have called it
@@ -134,16 +198,17 @@ class RewardScorer:
                 g = bisect_right(ends, j)
                 if g not in errors:
                     errors[g] = RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({values[j]})")
-            total += w * values
-        return [errors.get(g, total[a:b]) for g, (a, b) in enumerate(bounds)]
+            parts[i] = values
+        total = self._weights @ parts
+        return [errors.get(g) or (total[a:b], parts[:, a:b]) for g, (a, b) in enumerate(bounds)]
 
     async def _score_each(self, prompts: Sequence[Prompt], completions: Sequence[list[str]],
-                          completion_ids: Sequence[list[list[int]]]) -> list[np.ndarray | RewardError]:
-        """`score` per group: one after another when every function runs inline (a task each
+                          completion_ids: Sequence[list[list[int]]]) -> list[tuple[np.ndarray, np.ndarray] | RewardError]:
+        """`score_parts` per group: one after another when every function runs inline (a task each
         would cost more than the call), otherwise concurrently, as separate groups would be."""
-        async def one(i: int) -> np.ndarray | RewardError:
+        async def one(i: int) -> tuple[np.ndarray, np.ndarray] | RewardError:
             try:
-                return await self.score(prompts[i], completions[i], completion_ids[i])
+                return await self.score_parts(prompts[i], completions[i], completion_ids[i])
             except RewardError as e:
                 return e
 
@@ -153,18 +218,23 @@ class RewardScorer:
 
     async def score(self, prompt: Prompt, completions: list[str], completion_ids: list[list[int]]) -> np.ndarray:
         """Rewards [n] for one group; RewardError if any function fails or returns a bad value."""
+        return (await self.score_parts(prompt, completions, completion_ids))[0]
+
+    async def score_parts(self, prompt: Prompt, completions: list[str],
+                          completion_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(rewards [n], each function's values [F, n]) for one group; RewardError as `score`."""
         n = len(completions)
         prompts = [prompt.text] * n
         kwargs: dict[str, Any] = {k: [v] * n for k, v in prompt.meta.items()}
         kwargs["completion_ids"] = completion_ids
-        total = np.zeros(n, dtype=np.float64)
-        for i, w in enumerate(self.weights):
+        parts = np.zeros((len(self.fns), n), dtype=np.float64)
+        for i in range(len(self.fns)):
             values = self._check(i, await self._invoke(i, prompts, completions, kwargs), n)
             bad = values[~np.isfinite(values)]
             if bad.size:
                 raise RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({bad[0]})")
-            total += w * values
-        return total
+            parts[i] = values
+        return self._weights @ parts, parts
 
     async def _invoke(self, i: int, prompts: list[str], completions: list[str], kwargs: dict) -> Any:
         """Function i's raw output; RewardError if it raised."""

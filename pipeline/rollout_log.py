@@ -3,6 +3,8 @@
 Invariants:
 - Every admitted group appears exactly once: trained (with the step that trained it), dropped
   or failed (with the reason). `append` refuses a group id already written or pending.
+- Evaluation groups (fate "eval") have negative ids, the step of their round, and a reason only
+  when they failed ("" when scored); they are never trained and count in no training total.
 - Readers see only whole groups. A flush writes the flat token arrays first, then the
   per-completion arrays, then the per-group arrays, and commits last by rewriting the group's
   `committed` attribute (one atomic file replace in zarr's LocalStore). Array lengths alone
@@ -54,7 +56,7 @@ from pipeline.types import GroupOutcome
 log = structlog.get_logger(__name__)
 
 FORMAT_VERSION = 1
-FATES = ("trained", "dropped", "failed")
+FATES = ("trained", "dropped", "failed", "eval")
 
 # Chunk lengths: a flush of a few hundred groups touches one or two chunks per array, and a
 # chunk stays a few hundred KiB. Every flush still rewrites the partial last chunk of each of
@@ -180,7 +182,10 @@ def _check_fate(o: GroupOutcome) -> None:
     if o.fate == "trained" and (o.step < 1 or o.reason):
         raise ValueError(f"group {o.group_id}: a trained group needs step >= 1 and reason '', "
                          f"got step {o.step} reason {o.reason!r}")
-    if o.fate != "trained" and (o.step != -1 or not o.reason):
+    if o.fate == "eval" and (o.step < 0 or o.group_id >= 0):
+        raise ValueError(f"group {o.group_id}: an eval group needs step >= 0 and a negative id, "
+                         f"got step {o.step} id {o.group_id}")
+    if o.fate in ("dropped", "failed") and (o.step != -1 or not o.reason):
         raise ValueError(f"group {o.group_id}: a {o.fate} group needs step -1 and a reason, "
                          f"got step {o.step} reason {o.reason!r}")
 
@@ -193,7 +198,8 @@ def _to_block(outcomes: Sequence[GroupOutcome]) -> _Block:
     per-group work happens only to name the group once a check has failed.
     """
     if not all((o.fate == "trained" and o.step >= 1 and not o.reason)
-               or (o.fate in ("dropped", "failed") and o.step == -1 and o.reason) for o in outcomes):
+               or (o.fate in ("dropped", "failed") and o.step == -1 and o.reason)
+               or (o.fate == "eval" and o.step >= 0 and o.group_id < 0) for o in outcomes):
         for o in outcomes:
             _check_fate(o)  # raises at the first bad one, saying why
     gens = [o.generation for o in outcomes]

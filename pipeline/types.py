@@ -95,8 +95,9 @@ class RolloutGroup:
     """A scored generation, ready for the buffer."""
 
     generation: Generation
-    rewards: np.ndarray  # [n] float64, finite
+    rewards: np.ndarray  # [n] float64, finite: the weighted sum of the reward functions
     t_scored: float
+    reward_parts: np.ndarray | None = None  # [F, n] float64: each reward function's own values
 
     @property
     def group_id(self) -> int:

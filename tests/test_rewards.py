@@ -319,3 +319,62 @@ def test_a_batched_failure_on_a_group_already_failed_keeps_the_function_batched(
     assert isinstance(out[1], RewardError) and "non-finite" in str(out[1])
     np.testing.assert_array_equal(out[0], [1.5] * 4)
     assert scorer.batched == [True, True]
+
+
+# --- reward functions by import path (reward.functions), and each function's own values -----------
+
+def test_a_reward_loads_from_a_file_and_from_a_module(tmp_path, monkeypatch) -> None:
+    from pipeline.rewards import load_reward_function
+
+    (tmp_path / "helpers_mod.py").write_text("TARGET = 'a'\n")
+    (tmp_path / "my_reward.py").write_text(
+        "import helpers_mod\n\n"
+        "def hits(prompts, completions, **kw):\n"
+        "    return [float(c.count(helpers_mod.TARGET)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    fn = load_reward_function("my_reward.py:hits")  # relative to the working directory
+    assert fn(["p"], ["aab"]) == [2.0]
+    assert load_reward_function("pipeline.tasks:char_class_task").__name__ == "char_class_task"
+
+
+@pytest.mark.parametrize("source, entry, match", [
+    (None, "nowhere.py:f", "file 'nowhere.py' does not exist"),
+    ("def f(:\n", "bad.py:f", "importing 'bad.py' failed: SyntaxError"),
+    ("raise RuntimeError('boom at import')\n", "bad.py:f", "RuntimeError: boom at import"),
+    ("x = 1\n", "bad.py:f", "has no attribute 'f'"),
+    ("f = 1\n", "bad.py:f", "'f' is a int, not a function"),
+    (None, "no_such_package_xyz.mod:f", "ModuleNotFoundError"),
+])
+def test_an_entry_that_cannot_be_imported_is_a_config_error_naming_it(tmp_path, monkeypatch, source, entry,
+                                                                      match) -> None:
+    from pipeline.errors import ConfigError
+    from pipeline.rewards import load_reward_function
+
+    if source is not None:
+        (tmp_path / "bad.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_reward_function(entry, "reward.functions[1]")
+    assert f"reward.functions[1] entry {entry!r}" in str(e.value)
+
+
+def test_each_functions_own_values_come_with_the_weighted_sum() -> None:
+    def a(prompts, completions, **kw):
+        return [1.0] * len(completions)
+
+    def b(prompts, completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    out = asyncio.run(_scorer([a, b], weights=[2.0, 0.5]).score_many_parts(*GROUPS))
+    for (total, parts), texts in zip(out, GROUPS[1]):
+        assert parts.shape == (2, len(texts))
+        assert parts[1].tolist() == [float(len(t)) for t in texts]
+        assert np.allclose(total, 2.0 * parts[0] + 0.5 * parts[1])
+
+
+def test_two_functions_of_one_name_get_distinct_metric_names() -> None:
+    def acc(prompts, completions, **kw):
+        return [0.0] * len(completions)
+
+    other = acc
+    assert _scorer([acc, other]).names == ["acc", "acc_2"]

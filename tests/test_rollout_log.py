@@ -92,7 +92,7 @@ def test_round_trip_every_field(tmp_path: Path) -> None:
         for o in outcomes:
             log.append(o)
         log.flush()
-        assert log.counts() == {"trained": 2, "dropped": 2, "failed": 2}
+        assert log.counts() == {"trained": 2, "dropped": 2, "failed": 2, "eval": 0}
         assert log.reasons() == {"trained:": 2, "dropped:dropped_because_1": 1, "dropped:stale": 1,
                                  "failed:failed_because_0": 1, "failed:reward_error": 1}
     r = read_rollouts(tmp_path / "r.zarr")
@@ -131,7 +131,7 @@ def test_reopen_continues_appending_and_remembers_ids(tmp_path: Path) -> None:
             log.append(o)
     log2 = RolloutLog(path, meta={"b": 2})
     assert len(log2) == 5
-    assert log2.counts() == {"trained": 2, "dropped": 2, "failed": 1}
+    assert log2.counts() == {"trained": 2, "dropped": 2, "failed": 1, "eval": 0}
     with pytest.raises(ValueError, match="group 3 is already"):
         log2.append(make_outcome(3))
     second = [make_outcome(i) for i in range(5, 9)]
@@ -510,7 +510,7 @@ def test_mixed_fates_in_one_call_round_trip(tmp_path: Path) -> None:
     outcomes = _mixed_outcomes()
     with RolloutLog(tmp_path / "r.zarr") as log:
         log.append_many(outcomes)
-        assert log.counts() == {"trained": 3, "dropped": 2, "failed": 2}
+        assert log.counts() == {"trained": 3, "dropped": 2, "failed": 2, "eval": 0}
     r = read_rollouts(tmp_path / "r.zarr")
     assert r.num_groups == len(outcomes)
     for i, o in enumerate(outcomes):
@@ -625,3 +625,20 @@ def test_pending_tokens_count_the_completion_tokens_not_yet_flushed(tmp_path: Pa
     log.append(make_outcome(3, lengths=(4, 4)))
     assert log.pending_tokens == 8
     log.close()
+
+
+def test_eval_groups_have_negative_ids_and_their_rounds_step(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    ok = [make_outcome(-1, "eval", step=0, reason="", rng=rng),
+          make_outcome(-2, "eval", step=5, reason="reward_error", with_rewards=False, rng=rng)]
+    with RolloutLog(tmp_path / "r.zarr") as log:
+        log.append_many([make_outcome(0), *ok])
+        assert log.counts() == {"trained": 1, "dropped": 0, "failed": 0, "eval": 2}
+        for bad, match in ((make_outcome(3, "eval", step=0, reason=""), "negative id"),
+                           (make_outcome(-3, "eval", step=-1, reason="", rng=rng), "step >= 0")):
+            with pytest.raises(ValueError, match=match):
+                log.append_many([bad])
+    r = read_rollouts(tmp_path / "r.zarr")
+    for i, o in enumerate(ok, start=1):
+        assert_group_equal(r.group(i), o)
+    assert r.staleness().tolist() == [r.groups["step"][0] - 1]  # eval groups are not trained groups

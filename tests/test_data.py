@@ -1,0 +1,112 @@
+"""Data files: every supported format reads to the same rows; a bad file is a ConfigError naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.data import load_rows
+from pipeline.errors import ConfigError
+
+ROWS = [
+    {"id": "a", "prompt": "What is 1+1?", "answer": "2"},
+    {"id": "b", "prompt": "What is 2+2?", "answer": "4"},
+    {"id": "c", "prompt": "What is 3+3?", "answer": "6"},
+]
+CHAT = [
+    {"prompt": [{"role": "user", "content": "hi"}], "answer": "1"},
+    {"prompt": "plain", "answer": "2"},
+]
+
+
+def _write(tmp: Path, fmt: str, rows: list[dict]) -> Path:
+    import datasets
+
+    path = tmp / f"data.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "json":
+        path.write_text(json.dumps(rows))
+    elif fmt == "csv":
+        path.write_text("id,prompt,answer\n" + "".join(f'{r["id"]},"{r["prompt"]}",{r["answer"]}\n' for r in rows))
+    elif fmt == "parquet":
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    elif fmt == "disk":
+        path = tmp / "saved"
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    elif fmt == "dict":
+        path = tmp / "saved_dict"
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                              "test": datasets.Dataset.from_list(rows[:1])}).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "disk", "dict"])
+def test_every_format_reads_the_same_rows(tmp_path: Path, fmt: str) -> None:
+    path = _write(tmp_path, fmt, ROWS)
+    rows = load_rows(str(path), "data.train")
+    assert [{k: str(v) for k, v in r.items()} for r in rows] == ROWS
+    assert load_config(None, {"data.train": str(path), "reward.functions": ["m:f"]}).data.train == str(path)
+
+
+def test_a_dataset_dict_gives_its_train_split_to_train_and_its_test_split_to_eval(tmp_path: Path) -> None:
+    path = _write(tmp_path, "dict", ROWS)
+    assert len(load_rows(str(path), "data.train")) == 3
+    assert [r["id"] for r in load_rows(str(path), "data.eval")] == ["a"]
+
+
+def test_string_and_message_prompts_mix_in_one_jsonl_and_rows_without_id_get_one(tmp_path: Path) -> None:
+    rows = load_rows(str(_write(tmp_path, "jsonl", CHAT)), "data.eval")
+    assert rows[0]["prompt"] == [{"role": "user", "content": "hi"}] and rows[1]["prompt"] == "plain"
+    assert [r["id"] for r in rows] == ["eval-0", "eval-1"]  # stable names: the row's index
+
+
+def test_nothing_is_cached_outside_a_temporary_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    load_rows(str(_write(tmp_path, "jsonl", ROWS)), "data.train")
+    assert not (tmp_path / "hf" / "datasets").exists() or not any((tmp_path / "hf" / "datasets").rglob("*.arrow"))
+
+
+def test_a_missing_file_is_refused_by_the_config_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data.train: .*nope.jsonl.* does not exist"):
+        load_config(None, {"data.train": str(tmp_path / "nope.jsonl"), "reward.functions": ["m:f"]})
+    with pytest.raises(ConfigError, match=r"data.eval must be a .jsonl"):
+        (tmp_path / "x.txt").write_text("hi")
+        load_config(None, {"data.eval": str(tmp_path / "x.txt")})
+    with pytest.raises(ConfigError, match="save_to_disk"):
+        (tmp_path / "d").mkdir()
+        load_config(None, {"data.eval": str(tmp_path / "d")})
+
+
+def test_data_train_needs_a_reward() -> None:
+    with pytest.raises(ConfigError, match="needs reward.functions"):
+        load_config(None, {"data.train": "examples/own_task/train.jsonl"})
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json\n", "cannot be read as a data set"),
+    ("", "holds no rows|cannot be read"),
+])
+def test_an_unparsable_or_empty_file_is_a_config_error_naming_it(tmp_path: Path, content: str, match: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=match) as e:
+        load_rows(str(path), "data.train")
+    assert "data.train" in str(e.value) and "bad.jsonl" in str(e.value)
+
+
+def test_an_unreadable_file_is_a_config_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline.data
+
+    path = _write(tmp_path, "jsonl", ROWS)
+
+    def denied(*args, **kwargs):  # what open() raises for a file without read permission (CI runs as root)
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(pipeline.data, "open", denied, raising=False)
+    with pytest.raises(ConfigError, match="data.train = .*data.jsonl.* cannot be read: Permission denied"):
+        load_rows(str(path), "data.train")
