@@ -11,6 +11,9 @@ Invariants:
   the trainer no longer holds, as KeyError).
 - The child is started with "spawn" (never fork: the parent may hold CUDA) and is stopped by
   `close()`; if it dies, every later call raises TrainerError saying it is not running.
+- The child never imports the parent's main script or module: a research script without an
+  `if __name__ == "__main__"` guard would otherwise run again in it and build a second pipeline.
+  So `trainer_cls` and whatever the call arguments hold must come from importable modules.
 - No call waits forever: setup has `start_timeout_s`, every other call `trainer.step_timeout_s`.
   A call that runs past it kills the child (so it lets go of its device) and raises TrainerError
   naming the call and the setting. `close()` during a call kills the child too.
@@ -37,17 +40,20 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import multiprocessing as mp
 import os
 import select
 import struct
+import sys
 import threading
 import traceback
+import types
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import structlog
@@ -249,6 +255,22 @@ def _emit(data: bytes) -> None:
         _FORWARD.error("trainer_event_unreadable %r", data[:200], exc_info=True)
 
 
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While a child is spawned, `__main__` is a bare module, so spawn's preparation data names no
+    main script or module and the child does not import (that is, run) the parent's again.
+
+    Spawn reads `__main__.__spec__` and `__file__` and pickles the process object inside `start()`,
+    so the stand-in is needed only for that call. Callers hold ENV_LOCK, which every child start of
+    the pipeline holds, so two starts never swap it at once."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _exit_with(parent_sentinel: int) -> None:
     """End this process when its parent has gone without stopping it (SIGKILL, os._exit on a second Ctrl-C):
     a step that nobody awaits must not keep the device."""
@@ -370,13 +392,17 @@ class ProcessTrainer:
         return value
 
     def setup(self) -> None:
+        if self._trainer_cls is not None and self._trainer_cls.__module__ == "__main__":
+            raise TrainerError(f"trainer_cls {self._trainer_cls.__qualname__} is defined in the script being run "
+                               "(__main__), which the trainer's process does not import; define it in a module")
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         events, child_events = ctx.Pipe(duplex=False)
         floor = max(logging.getLogger("pipeline").getEffectiveLevel(), logging.DEBUG)
         self._proc = ctx.Process(target=_serve, args=(child, child_events, floor, self._trainer_cls, self._args,
                                                       self._kwargs), name="pipeline-trainer", daemon=True)
-        with ENV_LOCK:  # not while a vLLM engine's start has narrowed CUDA_VISIBLE_DEVICES to its GPU
+        # not while a vLLM engine's start has narrowed CUDA_VISIBLE_DEVICES to its GPU
+        with ENV_LOCK, _main_module_hidden():
             self._proc.start()
         child.close()
         child_events.close()  # the child's copy is the only writer left, so its end is the pipe's end

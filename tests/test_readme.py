@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +26,26 @@ def test_the_embedding_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == "True"  # pipe.summary["accounting_ok"]
+    assert [line.split()[0] for line in out[:-1]] == ["1", "2"]
+
+
+@pytest.mark.slow
+def test_the_embedding_example_runs_as_a_script_without_a_main_guard(tmp_path: Path) -> None:
+    # `python example.py`: the trainer's process must not import the script again (a spawned
+    # child that re-ran it built a second pipeline in the same run directory)
+    block = README.split("<!-- embed-example", 1)[1]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    assert "__main__" not in code and "pipeline.steps=20" in code
+    (tmp_path / "examples").mkdir()
+    shutil.copy(ROOT / "examples" / "cpu_default.toml", tmp_path / "examples")
+    script = tmp_path / "example.py"
+    script.write_text(code.replace("pipeline.steps=20", "pipeline.steps=2"), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout.strip().splitlines()
+    assert out[-1] == "True", proc.stdout  # pipe.summary["accounting_ok"]
     assert [line.split()[0] for line in out[:-1]] == ["1", "2"]
 
 

@@ -76,6 +76,19 @@ def _scripted(model_path: str = "unused", **cfg: object) -> ProcessTrainer:
     return ProcessTrainer(model_path, TrainerConfig(**cfg), LossConfig(), start_timeout_s=60, trainer_cls=Scripted)
 
 
+def test_a_trainer_class_of_the_script_being_run_is_refused_before_the_child_starts():
+    # the child never imports the parent's __main__ (a script without a main guard would run again there)
+    class InMain(Scripted):
+        pass
+
+    InMain.__module__ = "__main__"
+    trainer = ProcessTrainer("unused", TrainerConfig(), LossConfig(), start_timeout_s=60, trainer_cls=InMain)
+    with pytest.raises(TrainerError, match=r"InMain is defined in the script being run \(__main__\)"):
+        trainer.setup()
+    assert trainer.pid is None
+    trainer.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
 @pytest.mark.parametrize("idle", [True, False])
 def test_a_cpu_trainer_process_is_idle_scheduled_and_niced_in_every_thread(idle: bool) -> None:
