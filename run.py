@@ -12,7 +12,8 @@ is written to <out>/config.toml, so `python run.py --config <out>/config.toml` r
 SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption) writes a checkpoint and stops the run; a
 second one stops it at once. `--resume DIR` continues the run in DIR from its newest checkpoint,
 with DIR/config.toml and any --steps, --max-staleness and --set given now (not with --config
-or --out: the run stays in DIR).
+or --out: the run stays in DIR); with other prompts or reward functions than its checkpoint's it
+is refused, unless --force-resume.
 
 Exit codes: 0 done; 1 the run failed (the traceback is in <out>/events.jsonl); 2 bad
 configuration or flags (one line starting with "error:" on stderr, naming the field or file);
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 epilog=rest)
     p.add_argument("--config", metavar="FILE.toml", help="run configuration (default: built-in CPU defaults)")
     p.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its newest checkpoint")
+    p.add_argument("--force-resume", action="store_true",
+                   help="with --resume: continue even with other prompts or reward functions than the checkpoint's")
     p.add_argument("--steps", type=int, metavar="N", help="training steps (pipeline.steps)")
     p.add_argument("--max-staleness", type=int, metavar="K", help="staleness bound (pipeline.max_staleness)")
     p.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--resume continues with DIR/config.toml; it cannot be combined with --config")
         if args.resume is not None and args.out is not None:
             raise ConfigError("--resume continues the run in its own directory; it cannot be combined with --out")
+        if args.force_resume and args.resume is None:
+            raise ConfigError("--force-resume only applies with --resume DIR")
         # typed values, not TOML text, so any --out path and any number reach the config as given
         overrides = {".".join(key): value for key, value in map(parse_override, args.set)}
         if args.steps is not None:
@@ -104,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.orchestrator import Pipeline
 
     try:
-        pipeline = Pipeline(cfg, resume=args.resume is not None, handle_signals=True)
+        pipeline = Pipeline(cfg, resume=args.resume is not None, force_resume=args.force_resume,
+                            handle_signals=True)
     except ConfigError as e:
         print(_error_line(str(e)), file=sys.stderr)
         return 2

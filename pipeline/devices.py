@@ -22,9 +22,30 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Iterator
+from typing import Iterator, Sequence
+
+from pipeline.errors import ConfigError
 
 ENV_LOCK = threading.Lock()
+
+
+def check_cuda_devices(named: Sequence[tuple[str, str]]) -> None:
+    """ConfigError for the first (config key, device) naming a CUDA device this machine does not have.
+
+    Said at set-up, before anything is built or loaded: torch's own error would come later and name
+    no key. Counts the devices without initialising CUDA (imports torch only for a "cuda:N")."""
+    wanted = [(key, device) for key, device in named if device.startswith("cuda")]
+    if not wanted:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for key, device in wanted:
+        if count == 0:
+            raise ConfigError(f'{key} = "{device}" but this machine has no CUDA device')
+        if int(device.partition(":")[2]) >= count:
+            raise ConfigError(f'{key} = "{device}" but this machine has {count} CUDA device'
+                              f'{"s" if count > 1 else ""} (cuda:0 to cuda:{count - 1})')
 
 
 @contextlib.contextmanager

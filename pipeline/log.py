@@ -13,6 +13,10 @@ The trainer's child process (pipeline/trainer_process.py) logs at the same floor
 rendered and tagged `process="trainer"` and `pid` there, come back through a pipe and are handed
 to these same handlers (through the `pipeline.trainer_process` logger) with their own timestamps,
 so events.jsonl and the console hold both processes' events under one level filter.
+
+Tracebacks are text in events.jsonl (an `exception` field, as the trainer's process writes them).
+`run_failed`, the error that ended a run with its traceback, goes to the file only: run.py says it
+on stderr in one line, and a caller embedding the pipeline gets the exception itself.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ import structlog
 
 _HANDLERS: list[logging.Handler] = []
 _LOGGER_NAMES = ("pipeline", "benchmarks", "__main__", "run")
+FILE_ONLY_EVENTS = frozenset({"run_failed"})  # events.jsonl only, never the console
+
+
+class _NotOnConsole(logging.Filter):
+    """Drops the events of FILE_ONLY_EVENTS (a structlog event reaches a handler as the record's msg dict)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, dict) and record.msg.get("event") in FILE_ONLY_EVENTS)
 
 
 class _TqdmHandler(logging.StreamHandler):
@@ -66,6 +78,7 @@ def configure_logging(run_dir: str | Path | None = None, level: str = "info", co
     if console:
         h = _TqdmHandler(sys.stderr)
         h.setLevel(getattr(logging, level.upper()))
+        h.addFilter(_NotOnConsole())
         h.setFormatter(structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
                         structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())],
@@ -76,7 +89,7 @@ def configure_logging(run_dir: str | Path | None = None, level: str = "info", co
         f.setLevel(floor)
         f.setFormatter(structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                        structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()],
+                        structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
             foreign_pre_chain=_shared_processors()))
         _HANDLERS.append(f)
     for name in _LOGGER_NAMES:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -210,6 +211,28 @@ def _model_vocab_size(shape: Shape) -> int:
         return shape.vocab_size
     base = len(BYTE_SYMBOLS) + len(SPECIAL_TOKENS)
     return (base + 63) // 64 * 64
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # what transformers and vLLM load weights from
+
+
+def check_model_dir(path: str | Path, key: str = "model.path") -> None:
+    """A model directory worth loading: its config.json a JSON object, and weight files beside it.
+
+    Said before anything loads it, as a ConfigError naming `key`: the engines and the trainer load
+    it at once, and which of their own errors surfaced first varied from one run to the next."""
+    config = Path(path) / "config.json"
+    try:
+        conf = json.loads(config.read_text(encoding="utf-8"))
+    except OSError as e:  # config.py saw it exist; unreadable now (permissions, a dangling link)
+        raise ConfigError(f"{key}: {str(config)!r} cannot be read: {e}") from None
+    except ValueError as e:  # not JSON, or not UTF-8 text
+        raise ConfigError(f"{key}: {str(config)!r} is not valid JSON ({e})") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{key}: {str(config)!r} is not a JSON object")
+    if not any(p.suffix in WEIGHT_SUFFIXES and p.is_file() for p in Path(path).iterdir()):
+        raise ConfigError(f"{key}: {str(path)!r} holds no weights (no *.safetensors or *.bin file beside its "
+                          "config.json)")
 
 
 def build_model(shape: str, cache_dir: str | Path, seed: int = 0) -> Path:

@@ -1,12 +1,14 @@
 """run.py's command line: bad input is one "error:" line and exit 2; --resume continues a run in place.
 
-No test here starts a real run: the error cases stop before the pipeline is built, and the
---resume and signal cases replace the Pipeline class with a recorder.
+Most tests here start no real run: the error cases stop before the pipeline is built, and the
+--resume and signal cases replace the Pipeline class with a recorder. Those under "Runs that go
+wrong" run run.py for real, with the simulated engine and trainer (a few seconds each).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 import types
@@ -55,6 +57,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["--steps", "ten"], ["--steps", "invalid int value", "'ten'"]),
     (["--resume", "{d}/no-run"], ["--resume", "no-run", "does not exist"]),
     (["--resume", "{d}/run", "--config", "{d}/unknown.toml"], ["--resume", "--config"]),
+    (["--force-resume"], ["--force-resume", "--resume DIR"]),
 ])
 def test_bad_input_is_one_error_line_naming_the_field_and_exit_code_2(files: Path, args: list[str],
                                                                        named: list[str]) -> None:
@@ -123,16 +126,23 @@ def test_resume_reads_the_runs_config_applies_flags_and_stays_in_the_run_dir(
     run_dir = _write_run_dir(tmp_path / "run")
     assert run.main(["--resume", str(run_dir), "--steps", "9", "--set", "trainer.lr=0.25"]) == 0
     (p,) = recorder.built
-    assert p.kwargs == {"resume": True, "handle_signals": True}
+    assert p.kwargs == {"resume": True, "force_resume": False, "handle_signals": True}
     assert p.cfg.out == str(run_dir)  # forced to DIR, whatever the old config said
     assert (p.cfg.pipeline.steps, p.cfg.trainer.lr, p.cfg.engine.kind) == (9, 0.25, "simulated")
     assert '"steps": 4' in capsys.readouterr().out
 
 
+def test_force_resume_reaches_the_pipeline(tmp_path: Path, recorder: type[_Recorder]) -> None:
+    run_dir = _write_run_dir(tmp_path / "run")
+    assert run.main(["--resume", str(run_dir), "--force-resume"]) == 0
+    (p,) = recorder.built
+    assert p.kwargs == {"resume": True, "force_resume": True, "handle_signals": True}
+
+
 def test_a_fresh_run_handles_signals_and_does_not_resume(tmp_path: Path, recorder: type[_Recorder]) -> None:
     assert run.main(["--out", str(tmp_path / "new"), "--set", "engine.kind=simulated"]) == 0
     (p,) = recorder.built
-    assert p.kwargs == {"resume": False, "handle_signals": True}
+    assert p.kwargs == {"resume": False, "force_resume": False, "handle_signals": True}
     assert p.cfg.out == str(tmp_path / "new")
 
 
@@ -153,3 +163,114 @@ def test_help_documents_resume_and_the_exit_codes(capsys: pytest.CaptureFixture[
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--resume DIR" in text and "Exit codes:" in text and "130" in text
+
+
+# --------------------------------------------------------------------------- runs that go wrong
+
+# a real run.py, as small and fast as it gets: the simulated engine and trainer, the built-in task
+_SIM = ("--set", "engine.kind=simulated", "--set", "trainer.kind=simulated", "--set", "log.progress=false",
+        "--set", "pipeline.batch_groups=2", "--set", "sampling.n=2", "--set", "engine.simulated.completion_tokens=4")
+
+
+def _sim_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "run.py", *_SIM, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _last_error_line(stderr: str, *named: str) -> str:
+    # the console's log lines come first; run.py's own verdict is the last line
+    last = stderr.splitlines()[-1]
+    assert last.startswith("error: "), stderr[-2000:]
+    for text in named:
+        assert text in last, last
+    return last
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_prompt_is_refused_stops_at_once_with_exit_2_and_the_reasons(tmp_path: Path) -> None:
+    # every prompt of the built-in task + 600 new tokens exceeds the tiny model's context of 512:
+    # this run used to spin forever, deaf to signals, writing hundreds of MB of events
+    run_dir = tmp_path / "run"
+    proc = _sim_cli("--set", "sampling.max_new_tokens=600", "--out", str(run_dir), timeout=90)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    _last_error_line(proc.stderr, "every prompt", "512 of 512", "too_long", "exceeds the context of 512")
+    refused = [e for e in _events(run_dir) if e["event"] == "prompt_refused"]
+    assert 1 <= len(refused) <= 3  # a few examples, not one line per refusal
+    assert (run_dir / "events.jsonl").stat().st_size < 200_000
+
+
+@pytest.mark.slow
+def test_out_to_a_directory_holding_a_run_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = _sim_cli("--steps", "1", "--out", str(run_dir))
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {p.name: p.read_bytes() for p in (run_dir / "config.toml", run_dir / "events.jsonl")}
+    again = _sim_cli("--steps", "3", "--set", "trainer.lr=0.5", "--out", str(run_dir))
+    assert again.returncode == 2, again.stderr[-2000:]
+    _assert_one_error_line(again.stderr, "already holds a run", "--resume")
+    assert {p.name: p.read_bytes() for p in (run_dir / "config.toml", run_dir / "events.jsonl")} == before
+
+
+@pytest.mark.slow
+def test_a_failed_run_exits_1_and_leaves_its_traceback_in_events_jsonl(tmp_path: Path) -> None:
+    # every generate call fails and the lone engine is never restarted: EngineDeadError ends the run
+    run_dir = tmp_path / "run"
+    proc = _sim_cli("--set", "engine.simulated.fail_rate=1.0", "--set", "engine.retries=0",
+                    "--set", "engine.restarts=0", "--out", str(run_dir))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    _last_error_line(proc.stderr, "the run failed: EngineDeadError", "events.jsonl")
+    assert "Traceback" not in proc.stderr  # the console gets the one line; the file gets the traceback
+    (failed,) = [e for e in _events(run_dir) if e["event"] == "run_failed"]
+    assert failed["level"] == "error"
+    assert "Traceback (most recent call last)" in failed["exception"]
+    assert "EngineDeadError: no engine is left in rotation" in failed["exception"]
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("models")
+    (d / "garbage").mkdir()
+    (d / "garbage" / "config.json").write_text("garbage{")
+    (d / "no-weights").mkdir()  # a valid config, a tokenizer even, but no weights
+    (d / "no-weights" / "config.json").write_text(json.dumps({"model_type": "qwen2",
+                                                              "architectures": ["Qwen2ForCausalLM"]}))
+    (d / "no-weights" / "tokenizer_config.json").write_text("{}")
+    return d
+
+
+@pytest.mark.parametrize("folder, named", [
+    ("garbage", ["model.path", "config.json", "not valid JSON"]),
+    ("no-weights", ["model.path", "no weights", "safetensors"]),
+])
+def test_a_bad_model_folder_gives_the_same_clear_error_every_run(
+        bad_models: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], folder: str, named: list[str]) -> None:
+    errors = []
+    for i in range(2):
+        code = run.main(["--set", f"model.path={bad_models / folder}", "--out", str(tmp_path / f"run{i}")])
+        out, err = capsys.readouterr()
+        assert code == 2, err
+        _assert_one_error_line(err, folder, *named)
+        errors.append(err)
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--set", "trainer.device=cuda:0", "--set", "engine.kind=simulated"],
+     ['trainer.device = "cuda:0"', "this machine has no CUDA device"]),
+    (["--set", 'engine.devices=["cpu", "cuda:1"]', "--set", "trainer.kind=simulated"],
+     ['engine.devices[1] = "cuda:1"', "this machine has no CUDA device"]),
+])
+def test_a_cuda_device_on_a_machine_without_cuda_is_exit_2_naming_the_field(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str],
+        named: list[str]) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # what a GPU machine would say without them
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert run.main([*args, "--out", str(tmp_path / "run")]) == 2
+    out, err = capsys.readouterr()
+    _assert_one_error_line(err, *named)
