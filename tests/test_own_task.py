@@ -66,3 +66,20 @@ def test_a_data_file_that_is_not_a_data_set_exits_2_naming_it(tmp_path: Path) ->
                    "--set", f"data.train={bad}", "--set", f"model.cache_dir={tmp_path / 'models'}")
     assert proc.returncode == 2, proc.stderr
     assert "data.train" in proc.stderr and "train.jsonl" in proc.stderr and "cannot be read" in proc.stderr
+
+
+def test_message_rows_without_a_chat_template_end_the_run_naming_the_reason(tmp_path: Path) -> None:
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+    from pipeline.models import build_tokenizer
+    from pipeline.orchestrator import Pipeline
+
+    tok = build_tokenizer()
+    tok.chat_template = None
+    rows = [{"id": f"m{i}", "prompt": [{"role": "user", "content": f"q {i}"}]} for i in range(6)]
+    cfg = load_config(None, {"out": str(tmp_path / "run"), "engine.kind": "simulated", "trainer.kind": "simulated",
+                             "pipeline.steps": 2, "pipeline.batch_groups": 2, "log.progress": False})
+    p = Pipeline(cfg, prompts=rows, reward=lambda prompts, completions, **kw: [0.0] * len(completions),
+                 tokenizer=tok, console=False)
+    with pytest.raises(ConfigError, match=r"every prompt .* refused.*no_chat_template: 6"):
+        p.run_sync()
