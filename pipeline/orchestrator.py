@@ -51,7 +51,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import json
 import math
@@ -85,6 +84,7 @@ from pipeline.prompts import PromptBuilder, read_chat_template
 from pipeline.rewards import RewardFn, RewardScorer
 from pipeline.refusals import LOGGED_PER_REASON, Refusals
 from pipeline.rollout_log import RolloutLog
+from pipeline.rotation import EngineRotation
 from pipeline.tasks import PromptSource, build_task
 from pipeline.trackers import Trackers, open_trackers
 from pipeline.types import (AdapterRef, Batch, Generation, GroupOutcome, GroupRequest, Prompt, RolloutGroup,
@@ -375,15 +375,9 @@ class Pipeline:
         self.engines = self._user_engines or self._build_engines()
         if self._user_engines is None:
             self._built_engines = list(self.engines)
-        self._healthy: list[Engine] = list(self.engines)  # engines in rotation
-        self._engine_errors: dict[str, int] = {e.name: 0 for e in self.engines}  # consecutive failed calls
-        self._engine_load: dict[str, int] = {e.name: 0 for e in self.engines}  # calls in progress
-        # times each engine left the rotation: a call's failure counts only if sent since the last time
-        self._epoch: dict[str, int] = {e.name: 0 for e in self.engines}
-        self._restarting: dict[str, asyncio.Task[None]] = {}  # engines being restarted, by name
-        self._restarts_done: Counter[str] = Counter()  # restarts that put an engine back in rotation
-        self._restart_failures: Counter[str] = Counter()  # restart attempts that failed
-        self._rotation_grew = asyncio.Event()  # set (then replaced) when an engine returns or a restart gives up
+        self.rotation = EngineRotation(self.engines, built=self._user_engines is None, cfg=cfg.engine,
+                                       close_timeout_s=pc.shutdown_timeout_s, spawn=self._spawn,
+                                       refs_in_use=self._refs_in_use, load_one=self._load_one)
         self._served = self.start_version  # the version engines serve; the adapter loop moves it
         self._adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
         self.trainer = self._user_trainer or self._build_trainer()
@@ -541,17 +535,18 @@ class Pipeline:
         """Every engine in rotation loads `ref`, each under engine.load_timeout_s; so does an engine
         that comes back into rotation (restarted) while the others load."""
         done: set[tuple[str, int]] = set()  # (engine, epoch): a restarted engine is a new one to load
-        while engines := [e for e in self._healthy if (e.name, self._epoch[e.name]) not in done]:
-            epochs = [self._epoch[e.name] for e in engines]
+        rotation = self.rotation
+        while engines := [e for e in rotation.healthy if (e.name, rotation.slot(e).epoch) not in done]:
+            epochs = [rotation.slot(e).epoch for e in engines]
             done.update((e.name, ep) for e, ep in zip(engines, epochs))
             results = await _settled([self._load_one(e, ref) for e in engines])
             for e, epoch, r in zip(engines, epochs, results):
                 if isinstance(r, EngineDeadError):
-                    self._engine_failed(e, r, epoch)  # a dead engine leaves the rotation; the others serve on
+                    rotation.failed(e, r, epoch)  # a dead engine leaves the rotation; the others serve on
                 elif isinstance(r, BaseException):
                     raise r
-        if not self._healthy and not self._restarting:
-            raise self._no_engine_error()
+        if not rotation.can_generate:
+            raise rotation.no_engine_error()
 
     async def _load_one(self, engine: Engine, ref: AdapterRef) -> None:
         """`engine` loads `ref` under engine.load_timeout_s."""
@@ -791,160 +786,11 @@ class Pipeline:
         self.ledger.set_state_many([adm.group_id for adm in adms], "in_flight")
         return wave
 
-    def _pick_engine(self) -> Engine:
-        """The least loaded engine in rotation (EngineDeadError if there is none)."""
-        if not self._healthy:
-            raise self._no_engine_error()
-        return min(self._healthy, key=lambda e: self._engine_load[e.name])
-
-    async def _engine_for_call(self) -> Engine:
-        """The least loaded engine in rotation; while none is and one is being restarted, wait for it.
-
-        Groups wait here rather than fail: a restart ends either with the engine back in rotation
-        or, when its restarts are spent and nothing else can generate, with the run's error."""
-        while not self._healthy and self._restarting:
-            await self._rotation_grew.wait()
-        return self._pick_engine()
-
-    def _rotation_changed(self) -> None:
-        """Wake every call waiting for an engine (each waits on the event it found; a new one follows)."""
-        self._rotation_grew.set()
-        self._rotation_grew = asyncio.Event()
-
-    def _no_engine_error(self) -> EngineDeadError:
-        ec = self.config.engine
-        if not self._built_engines:
-            why = "engines passed to Pipeline(engines=...) are the caller's and are not restarted"
-        elif ec.restarts == 0:
-            why = "engine.restarts = 0, so engines are not restarted"
-        else:
-            tried = ", ".join(f"{n}: {self._restarts_done[n]} restarted, {self._restart_failures[n]} failed"
-                              for n in self._epoch)
-            why = f"every engine's restarts are spent (engine.restarts = {ec.restarts}; {tried})"
-        return EngineDeadError(f"no engine is left in rotation ({', '.join(e.name for e in self.engines)} died or "
-                               f"failed engine.max_consecutive_errors = {ec.max_consecutive_errors} calls in a row; "
-                               f"{why}); see events.jsonl for their errors")
-
-    def _engine_failed(self, engine: Engine, error: BaseException, epoch: int) -> None:
-        """Count a failed call; an engine dead, or failing too often in a row, leaves the rotation
-        (and is restarted in the background where `_restart_later` allows).
-
-        `epoch` is the engine's epoch when the call was sent: a call sent before the engine last
-        left the rotation says nothing about the engine since, and is not counted against it."""
-        name = engine.name
-        if epoch != self._epoch[name]:
-            return
-        self._engine_errors[name] += 1
-        dead = isinstance(error, EngineDeadError)
-        failing = dead or self._engine_errors[name] >= self.config.engine.max_consecutive_errors
-        if failing and engine in self._healthy:
-            self._healthy.remove(engine)
-            self._epoch[name] += 1
-            log.error("engine_out_of_rotation", engine=name, consecutive_errors=self._engine_errors[name],
-                      error=repr(error), engines_left=[e.name for e in self._healthy])
-            self._restart_later(engine)
-
-    def _restart_later(self, engine: Engine) -> None:
-        """Restart `engine` in the background if the pipeline built it and it has restarts left."""
-        ec = self.config.engine
-        name = engine.name
-        if engine not in self._built_engines:
-            log.warning("engine_not_restarted", engine=name, reason="caller_owned",
-                        hint="the pipeline restarts only engines it built from engine.kind; "
-                             "an engine passed to Pipeline(engines=...) is the caller's to restart")
-        elif ec.restarts == 0:
-            log.warning("engine_not_restarted", engine=name, reason="restarts_off", restarts=0)
-        elif self._restarts_done[name] + self._restart_failures[name] >= ec.restarts:
-            log.error("engine_not_restarted", engine=name, reason="restarts_spent", restarts=ec.restarts,
-                      restarted=self._restarts_done[name], failed=self._restart_failures[name])
-        else:
-            self._restarting[name] = self._spawn(self._restart_loop(engine), f"restart-{name}")
-
-    async def _restart_loop(self, engine: Engine) -> None:
-        """Consumes an engine the pipeline built that left the rotation; produces it back in rotation,
-        started afresh with the adapter versions in use; waits on its close, engine.restart_backoff_s,
-        its start and its adapter loads.
-
-        Every attempt, failed or not, counts against engine.restarts. When they are spent the engine
-        stays out; if then no engine is in rotation or being restarted, the run fails.
-        """
-        ec = self.config.engine
-        name = engine.name
-        error: Exception | None = None
-        try:
-            while (attempt := self._restarts_done[name] + self._restart_failures[name] + 1) <= ec.restarts:
-                log.warning("engine_restarting", engine=name, attempt=attempt, restarts=ec.restarts,
-                            backoff_s=ec.restart_backoff_s)
-                t0 = time.monotonic()
-                try:
-                    versions = await self._restart_once(engine)
-                except Exception as e:  # this attempt failed, whatever raised: counted, and the next one tries
-                    error = e
-                    self._restart_failures[name] += 1
-                    log.error("engine_restart_failed", engine=name, attempt=attempt, restarts=ec.restarts,
-                              error=repr(e))
-                    continue
-                self._restarts_done[name] += 1
-                log.info("engine_restarted", engine=name, attempt=attempt, seconds=round(time.monotonic() - t0, 3),
-                         versions=versions, engines_in_rotation=[e.name for e in self._healthy])
-                return
-            log.error("engine_not_restarted", engine=name, reason="restarts_spent", restarts=ec.restarts,
-                      restarted=self._restarts_done[name], failed=self._restart_failures[name], error=repr(error))
-        finally:
-            del self._restarting[name]
-            self._rotation_changed()
-        if not self._healthy and not self._restarting:
-            raise self._no_engine_error() from error
-
-    async def _restart_once(self, engine: Engine) -> list[int]:
-        """Close `engine`, wait engine.restart_backoff_s, start it (under engine.start_timeout_s), load
-        the adapter versions in use (each under engine.load_timeout_s) and put it back in rotation.
-
-        Closing first fails what the engine still holds (so those groups go elsewhere or wait) and
-        frees its resources during the backoff. Returns the versions loaded."""
-        ec = self.config.engine
-        async with asyncio.timeout(self.config.pipeline.shutdown_timeout_s):
-            await engine.close()
-        await asyncio.sleep(ec.restart_backoff_s)
-        try:
-            async with asyncio.timeout(ec.start_timeout_s):
-                await engine.start()
-        except TimeoutError:
-            raise EngineDeadError(f"engine {engine.name} did not start again within engine.start_timeout_s = "
-                                  f"{ec.start_timeout_s} s") from None
-        loaded: dict[str, int] = {}
-        tried: set[str] = set()
-        while refs := [r for r in self._refs_in_use() if r.name not in tried]:
-            for ref in refs:
-                tried.add(ref.name)
-                try:
-                    await self._load_one(engine, ref)
-                except AdapterError:
-                    if ref in self._refs_in_use():
-                        raise
-                    continue  # its last group ended while it loaded and retention removed it: not needed
-                loaded[ref.name] = ref.version
-        # nothing awaited since the versions in use were last read: none can be missing
-        self._engine_errors[engine.name] = 0
-        self._healthy.append(engine)
-        return sorted(loaded.values())
-
     def _refs_in_use(self) -> list[AdapterRef]:
         """The adapters a group in flight, or the next one admitted, may ask an engine for (not the base)."""
         versions = {self._served, *(self.buffer.in_flight_versions() if self.buffer is not None else ()),
                     *self.eval_pins.versions()}
         return [self._adapters[v] for v in sorted(versions) if v > 0 and v in self._adapters]
-
-    @contextlib.asynccontextmanager
-    async def _engine_call(self) -> AsyncIterator[tuple[Engine, int]]:
-        """An engine for one call, with its epoch when the call was sent, counted as loaded while it runs."""
-        engine = await self._engine_for_call()
-        epoch = self._epoch[engine.name]
-        self._engine_load[engine.name] += 1
-        try:
-            yield engine, epoch
-        finally:
-            self._engine_load[engine.name] -= 1
 
     async def _generate(self, adm: Admission, request: GroupRequest, attempt: int = 0) -> Generation | None:
         """One group from the engines: retried (with backoff, on the least loaded engine) until it
@@ -954,15 +800,15 @@ class Pipeline:
         while True:
             if attempt:
                 await asyncio.sleep(ec.retry_backoff_s * 2 ** (attempt - 1))
-            async with self._engine_call() as (engine, epoch):
+            async with self.rotation.call() as (engine, epoch):
                 try:
                     async with asyncio.timeout(ec.request_timeout_s):
                         gen = await engine.generate(request, self._adapters[adm.version])
-                    self._engine_errors[engine.name] = 0
+                    self.rotation.succeeded(engine)
                     return gen
                 except _ENGINE_ERRORS as e:
                     error = e
-            self._engine_failed(engine, error, epoch)
+            self.rotation.failed(engine, error, epoch)
             attempt = await self._after_failed_attempt(adm, engine, error, attempt)
             if attempt < 0:
                 return None
@@ -975,7 +821,7 @@ class Pipeline:
         group)."""
         ec = self.config.engine
         reason = "generation_timeout" if isinstance(error, TimeoutError) else "generation_error"
-        can_generate = bool(self._healthy or self._restarting)
+        can_generate = self.rotation.can_generate
         if isinstance(error, EngineDeadError) and can_generate:
             return attempt
         if attempt >= ec.retries or not can_generate:
@@ -983,7 +829,7 @@ class Pipeline:
                         attempts=attempt + 1, error=repr(error))
             await self._settle_failed(adm.group_id, reason, None, None)
             if not can_generate:
-                raise self._no_engine_error()  # nothing can generate any more
+                raise self.rotation.no_engine_error()  # nothing can generate any more
             return -1
         self._retries += 1
         log.info("generation_retry", group_id=adm.group_id, engine=engine.name, attempt=attempt + 1,
@@ -1000,7 +846,7 @@ class Pipeline:
         """Groups admitted together (one version), sampled by one `generate_many` call; a group
         the call failed goes on alone, through the per-group retries."""
         ec = self.config.engine
-        async with self._engine_call() as (engine, epoch):
+        async with self.rotation.call() as (engine, epoch):
             try:
                 async with asyncio.timeout(ec.request_timeout_s):
                     results = await engine.generate_many([r for _, r in wave], self._adapters[wave[0][0].version])
@@ -1015,13 +861,13 @@ class Pipeline:
                 done.append((adm, r))
                 continue
             if not failed:  # one failed call counts once against the engine
-                self._engine_failed(engine, r, epoch)
+                self.rotation.failed(engine, r, epoch)
                 failed = True
             attempt = await self._after_failed_attempt(adm, engine, r, 0)
             if attempt >= 0:
                 self._spawn(self._group_task(adm, request, attempt), f"group-{adm.group_id}")
         if not failed:
-            self._engine_errors[engine.name] = 0
+            self.rotation.succeeded(engine)
         if done:
             await self._accept(done)
 
@@ -1163,7 +1009,7 @@ class Pipeline:
             keep_from = min(self.buffer.in_flight_versions() + self.eval_pins.versions() + [served - K])
             for v in [v for v in self._adapters if 0 < v < keep_from]:
                 old = self._adapters.pop(v)
-                await self._unload_on_engines(old, list(self._healthy))
+                await self._unload_on_engines(old, self.rotation.healthy)
             await asyncio.to_thread(self.store.prune, keep_from)
 
     async def _train_loop(self) -> None:
@@ -1412,7 +1258,7 @@ class Pipeline:
             for attempt in range(ec.retries + 1):
                 if attempt:
                     await asyncio.sleep(ec.retry_backoff_s * 2 ** (attempt - 1))
-                async with self._engine_call() as (engine, epoch):
+                async with self.rotation.call() as (engine, epoch):
                     try:
                         async with asyncio.timeout(ec.request_timeout_s):
                             if len(todo) == 1:
@@ -1428,9 +1274,9 @@ class Pipeline:
                     out[i] = r
                 todo = [i for i in todo if not isinstance(out[i], Generation)]
                 if not todo:
-                    self._engine_errors[engine.name] = 0
+                    self.rotation.succeeded(engine)
                     break
-                self._engine_failed(engine, out[todo[0]], epoch)
+                self.rotation.failed(engine, out[todo[0]], epoch)
             return out
 
         parts = await asyncio.gather(*(chunk(requests[i:i + size]) for i in range(0, len(requests), size)))
@@ -1531,7 +1377,7 @@ class Pipeline:
             "rollout/buffered": c.buffered, "rollout/dropped": sum(dropped.values()),
             "rollout/failed": sum(failed.values()), "rollout/version_mismatch": self._version_mismatches,
             "rollout/retries": self._retries,
-            "engine/in_rotation": len(self._healthy),
+            "engine/in_rotation": len(self.rotation.healthy),
             "rollout/versions_verified": len(batch.groups),
             "time/wait_batch_s": wait_s, "time/publish_s": publish_s,
             "adapter/publish_to_loaded_s": self.publish_to_loaded.get(ref.version - 1, float("nan")),
@@ -1669,9 +1515,7 @@ class Pipeline:
             "resumed_from_step": self.start_step if self._resume else None,
             "checkpoint_step": self.checkpoint_step,
             "stopped_by": self.stopped_by,
-            "engines_out_of_rotation": [e.name for e in self.engines if e not in self._healthy],
-            "engine_restarts": dict(self._restarts_done),
-            "engine_restart_failures": dict(self._restart_failures),
+            **self.rotation.summary(),
             "adapter_load_failures": dict(self._load_failures),
             "generation_retries": self._retries,
             "groups_per_s": c.trained / max(wall, 1e-9),

@@ -157,12 +157,12 @@ def test_a_call_sent_before_the_restart_does_not_count_against_the_restarted_eng
         async for res in p.steps():
             if res.step == 2:
                 victim = p.engines[1]
-                while p._engine_load[victim.name] == 0:  # until a call of its runs
+                while p.rotation.slot(victim).load == 0:  # until a call of its runs
                     await asyncio.sleep(0.005)
                 seen["requests"] = victim.stats["requests"]
                 await victim.close()  # the running call raises EngineDeadError when its 0.1 s are up
                 # what a failed call does when it finds the engine dead
-                p._engine_failed(victim, EngineDeadError("found dead by the test"), p._epoch[victim.name])
+                p.rotation.failed(victim, EngineDeadError("found dead by the test"), p.rotation.slot(victim).epoch)
         return p
 
     p = asyncio.run(main())
