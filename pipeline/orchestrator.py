@@ -70,7 +70,8 @@ import structlog
 from pipeline.adapter_store import AdapterStore
 from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
 from pipeline.checkpoint import CheckpointStore
-from pipeline.config import RunConfig, dump_toml
+from pipeline.config import RunConfig
+from pipeline.config_io import dump_toml
 from pipeline.engines.base import Engine
 from pipeline.evaluation import MAX_EVAL_PROMPTS, VersionPins, eval_group_id, eval_row, is_due, round_metrics
 from pipeline.errors import (AdapterError, ConfigError, EngineDeadError, FatalError, GenerationError, PromptError,
@@ -83,6 +84,7 @@ from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter, read_json
 from pipeline.prompts import PromptBuilder, read_chat_template
 from pipeline.rewards import RewardFn, RewardScorer
 from pipeline.refusals import LOGGED_PER_REASON, Refusals
+from pipeline.outcomes import FLUSH_GROUPS, Outcomes
 from pipeline.rollout_log import RolloutLog
 from pipeline.rotation import EngineRotation
 from pipeline.tasks import PromptSource, build_task
@@ -93,13 +95,6 @@ from pipeline.types import (AdapterRef, Batch, Generation, GroupOutcome, GroupRe
 log = structlog.get_logger(__name__)
 
 _DONE = object()
-MAX_CONSECUTIVE_FAILURES = 64  # this many groups failing in a row means the cause is not one group
-# pending RolloutLog groups, or completion tokens, that make the flush loop write before its
-# second is up. A flush costs ~20 ms whatever its size plus ~5 us a group (n=8, 16 tokens each,
-# on one core), so at ten thousand groups a second flushing every 4,096 groups spent 5 us a group
-# on the fixed part alone; the token bound keeps what is pending to about 16 MB of arrays.
-FLUSH_GROUPS = 16384
-FLUSH_TOKENS = 1 << 21
 # completion tokens from which a wave is decoded in a worker thread: about a millisecond of
 # decoding, ten times a thread hop; below, it is cheaper on the loop
 DECODE_OFF_LOOP_TOKENS = 16384
@@ -417,6 +412,7 @@ class Pipeline:
         self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
                                     max_groups=(pc.steps - self.start_step) * pc.batch_groups,
                                     start_version=self.start_version)
+        self.outcomes = Outcomes(self.ledger, self.rollout_log, self.buffer)
         # groups of earlier sessions, by fate: the run's totals are these plus this session's
         self._base = Counter(self.ledger.fates)
         self._published = asyncio.Event()
@@ -431,9 +427,7 @@ class Pipeline:
         self._busy0: dict[str, float] = {}
         self._load_failures: dict[int, str] = {}
         self._retries = 0
-        self._live: dict[int, tuple[Prompt, int, float]] = {}
         self._training: list[RolloutGroup] = []
-        self._consecutive_failures = 0
         self._version_mismatches = 0
         self.trainer_busy = BusyMeter()
         self.setup_s = time.monotonic() - t0
@@ -688,7 +682,7 @@ class Pipeline:
         self._busy0 = {e.name: e.busy.busy_total() for e in self.engines}
         self._spawn(self._admission_loop(), "admission-loop")
         self._spawn(self._adapter_loop(), "adapter-loop")
-        self._spawn(self._flush_loop(), "rollout-log-flush-loop")
+        self._spawn(self.outcomes.flush_loop(), "rollout-log-flush-loop")
         if self._eval_items:
             self._spawn(self._eval_loop(), "eval-loop")
             if is_due(self.start_step, self.config.eval.every, self.config.pipeline.steps):
@@ -780,10 +774,9 @@ class Pipeline:
         for adm, prompt in zip(adms, prompts):
             crash_point("admission")
             gid = adm.group_id
-            self._live[gid] = (prompt, adm.version, adm.t_admitted)
             seed = (base + gid) % 2**31 if sampling.per_request_seed else None
             wave.append((adm, GroupRequest(gid, prompt, sampling.n, sampling.max_new_tokens, seed)))
-        self.ledger.set_state_many([adm.group_id for adm in adms], "in_flight")
+        self.outcomes.start(adms, prompts)
         return wave
 
     def _refs_in_use(self) -> list[AdapterRef]:
@@ -827,7 +820,7 @@ class Pipeline:
         if attempt >= ec.retries or not can_generate:
             log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason,
                         attempts=attempt + 1, error=repr(error))
-            await self._settle_failed(adm.group_id, reason, None, None)
+            await self.outcomes.settle_failed(adm.group_id, reason, None, None)
             if not can_generate:
                 raise self.rotation.no_engine_error()  # nothing can generate any more
             return -1
@@ -884,7 +877,7 @@ class Pipeline:
                 self._version_mismatches += gen.version != adm.version
                 log.error("generation_contract_broken", group_id=adm.group_id, engine=gen.engine,
                           asked_version=adm.version, got_version=gen.version, completions=len(gen.completions))
-                await self._settle_failed(adm.group_id, "version_mismatch" if gen.version != adm.version
+                await self.outcomes.settle_failed(adm.group_id, "version_mismatch" if gen.version != adm.version
                                           else "wrong_completion_count", gen, None)
                 continue
             keep.append((adm, gen))
@@ -896,13 +889,13 @@ class Pipeline:
         for (adm, gen), scored in zip(keep, scores):
             if isinstance(scored, RewardError):  # a reward bug fails this group; the run goes on
                 log.warning("group_failed", group_id=adm.group_id, reason="reward_error", error=str(scored))
-                await self._settle_failed(adm.group_id, "reward_error", gen, None)
+                await self.outcomes.settle_failed(adm.group_id, "reward_error", gen, None)
                 continue
             rewards, parts = scored
-            self._consecutive_failures = 0
+            self.outcomes.scored()
             if cfg.pipeline.filter_zero_advantage and rewards.min() == rewards.max():
                 await self.buffer.drop(adm.group_id, "zero_advantage")
-                self._record(adm.group_id, "dropped", "zero_advantage", -1, gen, rewards)
+                self.outcomes.record(adm.group_id, "dropped", "zero_advantage", -1, gen, rewards)
                 continue
             groups.append(RolloutGroup(gen, rewards, now, parts))
         try:
@@ -913,7 +906,7 @@ class Pipeline:
             for g in groups:
                 if self.buffer.is_in_flight(g.group_id):  # not stored before the close
                     self.buffer.settle_in_flight(g.group_id, "shutdown")
-                    self._record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+                    self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
 
     async def _texts(self, ids: list[list[list[int]]]) -> list[list[str]]:
         """Each group's completions [groups][n] of token ids decoded ("" each without a tokenizer)."""
@@ -929,37 +922,6 @@ class Pipeline:
             texts.append(flat[i:i + len(per)])
             i += len(per)
         return texts
-
-    async def _settle_failed(self, group_id: int, reason: str, gen: Generation | None,
-                             rewards: np.ndarray | None) -> None:
-        self._consecutive_failures += 1
-        try:
-            await self.buffer.fail(group_id, reason)
-        except BufferClosed:
-            pass  # shutdown accounts for it below through settle_in_flight
-        if self.buffer.closed:
-            self.buffer.settle_in_flight(group_id, "shutdown")
-            self._record(group_id, "dropped", "shutdown", -1, gen, rewards)
-            return
-        self._record(group_id, "failed", reason, -1, gen, rewards)
-        if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-            raise FatalError(f"{self._consecutive_failures} groups failed in a row (last: {reason}); "
-                             "see events.jsonl for the errors")
-
-    def _record(self, group_id: int, fate: str, reason: str, step: int, gen: Generation | None,
-                rewards: np.ndarray | None) -> None:
-        """The one exit of a group from the system: its RolloutLog entry."""
-        self._record_many([(group_id, fate, reason, step, gen, rewards)])
-
-    def _record_many(self, items: Sequence[tuple[int, str, str, int, Generation | None, np.ndarray | None]]) -> None:
-        """`_record` for several groups, appended to the RolloutLog in one call."""
-        now = time.monotonic()
-        outcomes = []
-        for group_id, fate, reason, step, gen, rewards in items:
-            prompt, version, t_adm = self._live.pop(group_id)
-            self.ledger.settle(group_id, fate, reason)
-            outcomes.append(GroupOutcome(group_id, prompt, version, fate, reason, step, gen, rewards, t_adm, now))
-        self.rollout_log.append_many(outcomes)
 
     async def _adapter_loop(self) -> None:
         """Consumes published versions; produces the serving version; waits on publishes and engine loads."""
@@ -1054,7 +1016,7 @@ class Pipeline:
     def _take_selection(self, sel: Any) -> None:
         """Record what the buffer dropped at selection; hold the batch as training (shutdown drops it if need be)."""
         for g, reason in sel.dropped:
-            self._record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
+            self.outcomes.record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
         self._training = sel.groups
         self.ledger.set_state_many([g.group_id for g in sel.groups], "training")
 
@@ -1119,7 +1081,7 @@ class Pipeline:
             self._published.set()
             self.buffer.commit(sel.groups)
             self._training = []
-            self._record_many([(g.group_id, "trained", "", step, g.generation, g.rewards) for g in batch.groups])
+            self.outcomes.record_many([(g.group_id, "trained", "", step, g.generation, g.rewards) for g in batch.groups])
             crash_point("step.after_record")
             version = stats.version
             row = self._step_row(batch, stats.metrics, check, wait_s, publish_s, ref)
@@ -1235,7 +1197,7 @@ class Pipeline:
                 outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "", step, r,
                                              scored[0], t0, now))
         # one moment on the loop: the round's rows and its metrics row appear together, or neither does
-        self.rollout_log.append_many(outcomes)
+        self.outcomes.record_eval(outcomes)
         metrics = round_metrics(rewards, parts, self.scorer.names, ec.n, ec.pass_threshold)
         row = eval_row(step, version, metrics, len(rewards), len(requests) - len(rewards),
                        len(prompts) - len(requests), time.monotonic() - t0)
@@ -1314,23 +1276,6 @@ class Pipeline:
             close_logging()
             os._exit(128 + sig.value)
         self.request_stop(sig.name)
-
-    async def _flush_loop(self) -> None:
-        """Consumes the RolloutLog's pending rows; writes them to zarr in a thread about once a
-        second, or sooner once FLUSH_GROUPS groups or FLUSH_TOKENS tokens are pending.
-
-        Off the train loop: a flush costs tens of milliseconds whatever its size, and a trainer
-        that waited for it would idle that long every time. Sooner when many are pending, so the
-        log's own backstop (a flush on the appending thread, the event loop) stays unused.
-        """
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(0.1)
-            pending = self.rollout_log.pending
-            if (pending >= FLUSH_GROUPS or self.rollout_log.pending_tokens >= FLUSH_TOKENS
-                    or (pending and time.monotonic() - last >= 1.0)):
-                await asyncio.to_thread(self.rollout_log.flush)
-                last = time.monotonic()
 
     async def _logprob_check(self, batch: Batch) -> dict[str, float]:
         """Recompute the trainer's log-probs of a few groups (under their own versions) against the engine's."""
@@ -1411,7 +1356,7 @@ class Pipeline:
         if self.buffer is not None:
             left, _ = await self.buffer.close()
             for g in left:
-                self._record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+                self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -1422,11 +1367,9 @@ class Pipeline:
         if self.buffer is not None:
             self.buffer.abandon(self._training, "shutdown")
             for g in self._training:
-                self._record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+                self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
             self._training = []
-            for gid in list(self._live):
-                self.buffer.settle_in_flight(gid, "shutdown")
-                self._record(gid, "dropped", "shutdown", -1, None, None)
+            self.outcomes.drop_live("shutdown")
         await self.lag.stop()
         if self._user_engines and self.buffer is not None:
             # leave a caller's engine as it was found: without this run's adapters
