@@ -87,6 +87,7 @@ from pipeline.refusals import LOGGED_PER_REASON, Refusals
 from pipeline.outcomes import FLUSH_GROUPS, Outcomes
 from pipeline.rollout_log import RolloutLog
 from pipeline.rotation import EngineRotation
+from pipeline.versions import Versions, settled
 from pipeline.tasks import PromptSource, build_task
 from pipeline.trackers import Trackers, open_trackers
 from pipeline.types import (AdapterRef, Batch, Generation, GroupOutcome, GroupRequest, Prompt, RolloutGroup,
@@ -128,22 +129,6 @@ def restore_gc(before: tuple[int, ...]) -> None:
     """Undo `quiet_gc`: its thresholds back, and the frozen objects collectable again."""
     gc.set_threshold(*before)
     gc.unfreeze()
-
-
-async def _settled(coros: list[Any]) -> list[Any]:
-    """Each coroutine's result or exception, in order, run concurrently: `gather(...,
-    return_exceptions=True)`, except that one coroutine is awaited in place (a task per engine
-    costs more than a simulated engine's load, twice a step)."""
-    if len(coros) != 1:
-        return await asyncio.gather(*coros, return_exceptions=True)
-    try:
-        return [await coros[0]]
-    except asyncio.CancelledError as e:
-        if asyncio.current_task().cancelling():  # we are being cancelled: gather would be too
-            raise
-        return [e]  # the coroutine's own cancellation: gather returns it as its result
-    except Exception as e:  # returned, as gather(return_exceptions=True) does
-        return [e]
 
 
 class Pipeline:
@@ -254,7 +239,8 @@ class Pipeline:
         self.metrics: MetricsWriter | None = None
         self.trackers: Trackers | None = None  # log.trackers, opened with metrics.jsonl
         self.lag = LoopLagMonitor()
-        self.buffer: RolloutBuffer | None = None  # None until set-up has finished
+        self.buffer: RolloutBuffer | None = None
+        self._ready = False  # set-up has finished: shutdown has groups to account for and a summary to write
         self.trainer: Any = None
         self._refusals: Refusals | None = None  # this session's refused prompts, once the source is built
         self._threads_before: int | None = None  # torch threads to restore at the end
@@ -370,11 +356,18 @@ class Pipeline:
         self.engines = self._user_engines or self._build_engines()
         if self._user_engines is None:
             self._built_engines = list(self.engines)
+        self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
+                                    max_groups=(pc.steps - self.start_step) * pc.batch_groups,
+                                    start_version=self.start_version)
+        self.outcomes = Outcomes(self.ledger, self.rollout_log, self.buffer)
         self.rotation = EngineRotation(self.engines, built=self._user_engines is None, cfg=cfg.engine,
                                        close_timeout_s=pc.shutdown_timeout_s, spawn=self._spawn,
-                                       refs_in_use=self._refs_in_use, load_one=self._load_one)
-        self._served = self.start_version  # the version engines serve; the adapter loop moves it
-        self._adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
+                                       refs_in_use=lambda: self.versions.refs_in_use(),
+                                       load_one=lambda e, ref: self.versions.load_one(e, ref))
+        self.eval_pins = VersionPins()  # versions evaluation rounds sample with
+        self.versions = Versions(rotation=self.rotation, store=self.store, buffer=self.buffer, pins=self.eval_pins,
+                                 max_staleness=pc.max_staleness, load_timeout_s=cfg.engine.load_timeout_s,
+                                 full_weights=cfg.trainer.update == "full", start_version=self.start_version)
         self.trainer = self._user_trainer or self._build_trainer()
         try:
             async with asyncio.timeout(cfg.engine.start_timeout_s):
@@ -406,31 +399,21 @@ class Pipeline:
                 raise TrainerError(f"checkpoint {ck.path} holds trainer version {self.trainer.version}, "
                                    f"its ledger says {self.start_version}")
             ref = await asyncio.to_thread(self.store.publish, self.start_version, self.trainer.save_adapter)
-            await self._load_on_engines(ref)
-            self._adapters[self.start_version] = ref
+            await self.versions.load_on_engines(ref)
+            self.versions.adapters[self.start_version] = ref
 
-        self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
-                                    max_groups=(pc.steps - self.start_step) * pc.batch_groups,
-                                    start_version=self.start_version)
-        self.outcomes = Outcomes(self.ledger, self.rollout_log, self.buffer)
         # groups of earlier sessions, by fate: the run's totals are these plus this session's
         self._base = Counter(self.ledger.fates)
-        self._published = asyncio.Event()
-        self._serving = asyncio.Event()  # set (then replaced) when engines serve a new version
-        self.eval_pins = VersionPins()  # versions evaluation rounds sample with
         self._eval_due: asyncio.Queue[int] = asyncio.Queue()  # steps whose policy is to be evaluated
         self._eval_queued: set[int] = set()
         self._eval_prompts: list[Prompt | None] | None = None  # the eval items as Prompts, converted once
-        self._publish_t: dict[int, float] = {}
-        self.publish_to_loaded: dict[int, float] = {}
-        self.drain_s: dict[int, float] = {}  # full-weight updates: version -> seconds admission paused for the drain
         self._busy0: dict[str, float] = {}
-        self._load_failures: dict[int, str] = {}
         self._retries = 0
         self._training: list[RolloutGroup] = []
         self._version_mismatches = 0
         self.trainer_busy = BusyMeter()
         self.setup_s = time.monotonic() - t0
+        self._ready = True
         log.info("pipeline_ready", run_dir=str(self.run_dir), engines=[e.name for e in self.engines],
                  model=self.model_path, setup_s=round(self.setup_s, 2), batch_groups=pc.batch_groups,
                  max_staleness=pc.max_staleness, group_size=cfg.sampling.n)
@@ -524,46 +507,6 @@ class Pipeline:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         os.replace(tmp, path)
         return rows
-
-    async def _load_on_engines(self, ref: AdapterRef) -> None:
-        """Every engine in rotation loads `ref`, each under engine.load_timeout_s; so does an engine
-        that comes back into rotation (restarted) while the others load."""
-        done: set[tuple[str, int]] = set()  # (engine, epoch): a restarted engine is a new one to load
-        rotation = self.rotation
-        while engines := [e for e in rotation.healthy if (e.name, rotation.slot(e).epoch) not in done]:
-            epochs = [rotation.slot(e).epoch for e in engines]
-            done.update((e.name, ep) for e, ep in zip(engines, epochs))
-            results = await _settled([self._load_one(e, ref) for e in engines])
-            for e, epoch, r in zip(engines, epochs, results):
-                if isinstance(r, EngineDeadError):
-                    rotation.failed(e, r, epoch)  # a dead engine leaves the rotation; the others serve on
-                elif isinstance(r, BaseException):
-                    raise r
-        if not rotation.can_generate:
-            raise rotation.no_engine_error()
-
-    async def _load_one(self, engine: Engine, ref: AdapterRef) -> None:
-        """`engine` loads `ref` under engine.load_timeout_s."""
-        timeout = self.config.engine.load_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                await engine.load_adapter(ref)
-        except TimeoutError:
-            raise AdapterError(f"engine {engine.name} did not load adapter {ref.path} within "
-                               f"engine.load_timeout_s = {timeout} s") from None
-
-    async def _unload_on_engines(self, ref: AdapterRef, engines: Sequence[Engine]) -> None:
-        """Free `ref` on each engine, each under engine.load_timeout_s; a failure costs memory, not the run."""
-        timeout = self.config.engine.load_timeout_s
-
-        async def one(e: Engine) -> None:
-            async with asyncio.timeout(timeout):
-                await e.unload_adapter(ref)
-
-        results = await _settled([one(e) for e in engines])
-        for e, r in zip(engines, results):
-            if isinstance(r, Exception):
-                log.warning("adapter_unload_failed", engine=e.name, adapter=ref.name, error=repr(r))
 
     def _share_cpu(self) -> None:
         """Engine and trainer both computing on the CPU: give each half the cores.
@@ -681,7 +624,7 @@ class Pipeline:
         # engines may have served earlier runs: this run's busy time counts from here
         self._busy0 = {e.name: e.busy.busy_total() for e in self.engines}
         self._spawn(self._admission_loop(), "admission-loop")
-        self._spawn(self._adapter_loop(), "adapter-loop")
+        self._spawn(self.versions.adapter_loop(), "adapter-loop")
         self._spawn(self.outcomes.flush_loop(), "rollout-log-flush-loop")
         if self._eval_items:
             self._spawn(self._eval_loop(), "eval-loop")
@@ -779,12 +722,6 @@ class Pipeline:
         self.outcomes.start(adms, prompts)
         return wave
 
-    def _refs_in_use(self) -> list[AdapterRef]:
-        """The adapters a group in flight, or the next one admitted, may ask an engine for (not the base)."""
-        versions = {self._served, *(self.buffer.in_flight_versions() if self.buffer is not None else ()),
-                    *self.eval_pins.versions()}
-        return [self._adapters[v] for v in sorted(versions) if v > 0 and v in self._adapters]
-
     async def _generate(self, adm: Admission, request: GroupRequest, attempt: int = 0) -> Generation | None:
         """One group from the engines: retried (with backoff, on the least loaded engine) until it
         succeeds or engine.retries are spent; None means it failed for good (already settled).
@@ -796,7 +733,7 @@ class Pipeline:
             async with self.rotation.call() as (engine, epoch):
                 try:
                     async with asyncio.timeout(ec.request_timeout_s):
-                        gen = await engine.generate(request, self._adapters[adm.version])
+                        gen = await engine.generate(request, self.versions.adapters[adm.version])
                     self.rotation.succeeded(engine)
                     return gen
                 except _ENGINE_ERRORS as e:
@@ -842,7 +779,8 @@ class Pipeline:
         async with self.rotation.call() as (engine, epoch):
             try:
                 async with asyncio.timeout(ec.request_timeout_s):
-                    results = await engine.generate_many([r for _, r in wave], self._adapters[wave[0][0].version])
+                    results = await engine.generate_many([r for _, r in wave],
+                                                         self.versions.adapters[wave[0][0].version])
                 if len(results) != len(wave):
                     raise GenerationError(f"engine {engine.name} returned {len(results)} results for {len(wave)} groups")
             except _ENGINE_ERRORS as e:  # this call failed: each group goes on alone through its retries
@@ -922,57 +860,6 @@ class Pipeline:
             texts.append(flat[i:i + len(per)])
             i += len(per)
         return texts
-
-    async def _adapter_loop(self) -> None:
-        """Consumes published versions; produces the serving version; waits on publishes and engine loads."""
-        K = self.config.pipeline.max_staleness
-        full = self._full_weights
-        while True:
-            await self._published.wait()
-            self._published.clear()
-            newest, served = max(self._adapters), self._served
-            if newest <= served:
-                continue
-            ref = self._adapters[newest]
-            try:
-                # the directory is checked against its manifest before any engine reads it
-                await asyncio.to_thread(self.store.verify_dir, ref.path)
-                if full:
-                    # an engine holds one version's weights: what is in flight finishes on its own first
-                    t_drain = time.monotonic()
-                    self.buffer.pause_admission()
-                    await self.buffer.wait_drained()
-                    await self.eval_pins.hold_swaps()  # and an evaluation sampling these weights
-                    self.drain_s[newest] = time.monotonic() - t_drain
-                await self._load_on_engines(ref)
-            except (AdapterError, OSError) as e:
-                if full:
-                    # engines that did load it go back to the served weights, so every engine serves one version
-                    await self._load_on_engines(self._adapters[served])
-                    await self.buffer.resume_admission()
-                    await self.eval_pins.release_swaps()
-                # keep serving the last good version while the staleness bound allows; then stop clearly
-                self._load_failures[newest] = repr(e)
-                log.error("adapter_load_failed", version=newest, path=ref.path, error=str(e), serving=served)
-                if newest - served > K:
-                    raise AdapterError(f"engines could not load adapter versions {served + 1}..{newest} "
-                                       f"(last: {ref.path}: {e}); version {served} is the newest they serve and "
-                                       f"max_staleness = {K} allows no older data") from e
-                continue
-            self.publish_to_loaded[newest] = time.monotonic() - self._publish_t[newest]
-            served = self._served = newest  # an engine restarted from now on loads it before it serves
-            self._serving_changed()
-            structlog.contextvars.bind_contextvars(policy_version=served)
-            await self.buffer.set_serving_version(served)
-            if full:
-                await self.buffer.resume_admission()
-                await self.eval_pins.release_swaps()
-            log.debug("adapter_serving", version=served, publish_to_loaded_s=round(self.publish_to_loaded[newest], 4))
-            keep_from = min(self.buffer.in_flight_versions() + self.eval_pins.versions() + [served - K])
-            for v in [v for v in self._adapters if 0 < v < keep_from]:
-                old = self._adapters.pop(v)
-                await self._unload_on_engines(old, self.rotation.healthy)
-            await asyncio.to_thread(self.store.prune, keep_from)
 
     async def _train_loop(self) -> None:
         """Consumes batches (EDF under the staleness bound); produces published versions; waits on the buffer."""
@@ -1076,9 +963,7 @@ class Pipeline:
                 stats, ref, publish_s = await self._trainer_call(f"step {step} and its publish",
                                                                  self._step_and_publish, batch)
             self.timeline["training"].append((stats.t_start, time.monotonic()))
-            self._adapters[ref.version] = ref
-            self._publish_t[ref.version] = time.monotonic()
-            self._published.set()
+            self.versions.published(ref)
             self.buffer.commit(sel.groups)
             self._training = []
             self.outcomes.record_many([(g.group_id, "trained", "", step, g.generation, g.rewards) for g in batch.groups])
@@ -1120,11 +1005,6 @@ class Pipeline:
             self._eval_queued.add(step)
             self._eval_due.put_nowait(step)
 
-    def _serving_changed(self) -> None:
-        """Wake whatever waits for a new serving version (each waits on the event it found; a new one follows)."""
-        self._serving.set()
-        self._serving = asyncio.Event()
-
     async def _eval_loop(self) -> None:
         """Consumes steps to evaluate; produces eval rows (metrics.jsonl, trackers) and eval groups
         (rollouts.zarr, fate "eval"); waits on the step's version being served, then on the engines.
@@ -1135,8 +1015,7 @@ class Pipeline:
         while True:
             step = await self._eval_due.get()
             try:
-                while self._served < step and not any(v >= step for v in self._load_failures):
-                    await self._serving.wait()
+                await self.versions.wait_serving(step)
                 await self._eval_round(step)
             finally:
                 self._eval_due.task_done()
@@ -1169,9 +1048,9 @@ class Pipeline:
         requests = [GroupRequest(eval_group_id(step, i), p, ec.n, sampling.max_new_tokens,
                                  (base + eval_group_id(step, i)) % 2**31 if sampling.per_request_seed else None)
                     for i, p in enumerate(prompts) if p is not None]
-        version = await self.eval_pins.pin(lambda: self._served)
+        version = await self.eval_pins.pin(lambda: self.versions.served)
         try:
-            results = await self._eval_generate(requests, self._adapters[version])
+            results = await self._eval_generate(requests, self.versions.adapters[version])
         finally:
             await self.eval_pins.unpin(version)
         gens = [r for r in results if isinstance(r, Generation)]
@@ -1325,13 +1204,13 @@ class Pipeline:
             "engine/in_rotation": len(self.rotation.healthy),
             "rollout/versions_verified": len(batch.groups),
             "time/wait_batch_s": wait_s, "time/publish_s": publish_s,
-            "adapter/publish_to_loaded_s": self.publish_to_loaded.get(ref.version - 1, float("nan")),
+            "adapter/publish_to_loaded_s": self.versions.publish_to_loaded.get(ref.version - 1, float("nan")),
             "busy/generator": self._generator_busy() / max(wall, 1e-9),
             "busy/trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
             "loop/lag_p99_ms": self.lag.percentile_ms(99, last=2000),
         }
         if self._full_weights:  # how long admission waited for the drain before the load
-            row["adapter/drain_s"] = self.drain_s.get(ref.version - 1, float("nan"))
+            row["adapter/drain_s"] = self.versions.drain_s.get(ref.version - 1, float("nan"))
         parts = [g.reward_parts for g in batch.groups if g.reward_parts is not None]
         if len(parts) == len(batch.groups):  # each function's own mean, beside the weighted reward_mean
             means = np.concatenate(parts, axis=1).mean(axis=1)
@@ -1353,7 +1232,7 @@ class Pipeline:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-        if self.buffer is not None:
+        if self._ready:
             left, _ = await self.buffer.close()
             for g in left:
                 self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
@@ -1364,17 +1243,17 @@ class Pipeline:
             done, pending = await asyncio.wait(tasks, timeout=timeout)
             if pending:
                 log.error("shutdown_tasks_stuck", tasks=[t.get_name() for t in pending])
-        if self.buffer is not None:
+        if self._ready:
             self.buffer.abandon(self._training, "shutdown")
             for g in self._training:
                 self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
             self._training = []
             self.outcomes.drop_live("shutdown")
         await self.lag.stop()
-        if self._user_engines and self.buffer is not None:
+        if self._user_engines and self._ready:
             # leave a caller's engine as it was found: without this run's adapters
-            for ref in [r for v, r in self._adapters.items() if v > 0]:
-                await self._unload_on_engines(ref, self._user_engines)
+            for ref in [r for v, r in self.versions.adapters.items() if v > 0]:
+                await self.versions.unload_on_engines(ref, self._user_engines)
         if self._threads_before is not None:
             import torch
 
@@ -1400,7 +1279,7 @@ class Pipeline:
         if self._refusals is not None and self._refusals.by_reason:  # what prompt_refused stopped logging
             log.warning("prompts_refused", total=self._refusals.by_reason.total(),
                         by_reason=dict(self._refusals.by_reason))
-        if self.buffer is not None:
+        if self._ready:
             self.summary = self._summary(wall, error)
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
             try:
@@ -1459,7 +1338,7 @@ class Pipeline:
             "checkpoint_step": self.checkpoint_step,
             "stopped_by": self.stopped_by,
             **self.rotation.summary(),
-            "adapter_load_failures": dict(self._load_failures),
+            "adapter_load_failures": dict(self.versions.load_failures),
             "generation_retries": self._retries,
             "groups_per_s": c.trained / max(wall, 1e-9),
             "tokens_per_s": trained_tokens / max(wall, 1e-9),
@@ -1469,9 +1348,9 @@ class Pipeline:
             "staleness_mean": float(np.mean([r["staleness_mean"] for r in rows])) if rows else None,
             "busy_generator": self._generator_busy() / max(wall, 1e-9),
             "busy_trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
-            "publish_to_loaded_s_mean": float(np.mean(list(self.publish_to_loaded.values())))
-            if self.publish_to_loaded else None,
-            "drain_s_mean": float(np.mean(list(self.drain_s.values()))) if self.drain_s else None,
+            "publish_to_loaded_s_mean": float(np.mean(list(self.versions.publish_to_loaded.values())))
+            if self.versions.publish_to_loaded else None,
+            "drain_s_mean": float(np.mean(list(self.versions.drain_s.values()))) if self.versions.drain_s else None,
             "loop_lag_p99_ms": self.lag.percentile_ms(99),
             "version_mismatches": self._version_mismatches,
             "error": repr(error) if error is not None and not isinstance(error, asyncio.CancelledError) else None,

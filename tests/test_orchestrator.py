@@ -9,14 +9,16 @@ import math
 
 import numpy as np
 import pytest
+from conftest import assert_accounted, sim_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import load_config
+from pipeline.config_io import load_config
 from pipeline.errors import ConfigError
 from pipeline.metrics import read_jsonl
-from pipeline.orchestrator import Pipeline, _settled
+from pipeline.orchestrator import Pipeline
 from pipeline.rollout_log import read_rollouts
+from pipeline.versions import settled as _settled
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"prompt {i}", "token_ids": [1 + i % 50, 2, 3], "label": i} for i in range(40)]
 
@@ -25,35 +27,11 @@ def length_reward(prompts, completions, completion_ids, label, **kw):
     return [float(len(ids) + lab % 3) for ids, lab in zip(completion_ids, label)]
 
 
-def sim_config(tmp_path, *, K=1, B=2, n=2, steps=6, latency=0.0, concurrency=0, step_s=0.0, **extra):
-    overrides = {
-        "out": str(tmp_path / "run"), "engine.kind": "simulated", "trainer.kind": "simulated",
-        "pipeline.steps": steps, "pipeline.batch_groups": B, "pipeline.max_staleness": K,
-        "sampling.n": n, "engine.simulated.latency_s": latency, "engine.simulated.concurrency": concurrency,
-        "engine.simulated.completion_tokens": 4, "trainer.step_s": step_s, "log.progress": False,
-    }
-    overrides.update(extra)
-    return load_config(None, overrides)
-
-
 def run(cfg, **kw):
     p = Pipeline(cfg, prompts=kw.pop("prompts", PROMPTS), reward=kw.pop("reward", length_reward),
                  tokenizer=False, console=False, **kw)
     summary = p.run_sync()
     return p, summary
-
-
-def assert_accounted(p, summary):
-    """started = trained + dropped + failed, and the zarr log holds exactly one entry per group."""
-    assert summary["accounting_ok"], summary
-    r = read_rollouts(p.run_dir / "rollouts.zarr")
-    assert r.num_groups == summary["groups_started"]
-    assert len(set(r.groups["group_id"].tolist())) == r.num_groups
-    fates = r.groups["fate"].tolist()
-    assert fates.count("trained") == summary["groups_trained"]
-    assert fates.count("failed") == sum(summary["groups_failed"].values())
-    assert fates.count("dropped") == sum(summary["groups_dropped"].values())
-    return r
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
