@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataclasses import replace  # noqa: E402
 
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config_io import load_config  # noqa: E402
 from pipeline.orchestrator import Pipeline  # noqa: E402
 
 

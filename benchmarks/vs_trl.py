@@ -44,7 +44,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
-from pipeline.config import LossConfig, TrainerConfig, load_config  # noqa: E402
+from pipeline.config import LossConfig, TrainerConfig  # noqa: E402
+from pipeline.config_io import load_config  # noqa: E402
 
 BENCHMARK = "vs_trl"
 REWARD_WINDOW = 5  # reward at equal samples: the mean over the last 1/REWARD_WINDOW of the steps

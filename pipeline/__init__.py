@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["Pipeline", "StepResult", "RunConfig", "load_config", "read_rollouts"]
 
 _WHERE = {"Pipeline": "pipeline.orchestrator", "StepResult": "pipeline.orchestrator",
-          "RunConfig": "pipeline.config", "load_config": "pipeline.config", "read_rollouts": "pipeline.rollout_log"}
+          "RunConfig": "pipeline.config", "load_config": "pipeline.config_io", "read_rollouts": "pipeline.rollout_log"}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ debug call below the loggers' level is dropped before any processor runs.
 
 The trainer's child process (pipeline/trainer_process.py) logs at the same floor; its events,
 rendered and tagged `process="trainer"` and `pid` there, come back through a pipe and are handed
-to these same handlers (through the `pipeline.trainer_process` logger) with their own timestamps,
+to these same handlers (through the `pipeline.trainer_log` logger) with their own timestamps,
 so events.jsonl and the console hold both processes' events under one level filter.
 
 Tracebacks are text in events.jsonl (an `exception` field, as the trainer's process writes them).

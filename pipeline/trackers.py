@@ -25,7 +25,8 @@ from typing import Any, Mapping, Protocol, Sequence
 
 import structlog
 
-from pipeline.config import RunConfig, dump_toml
+from pipeline.config import RunConfig
+from pipeline.config_io import dump_toml
 
 log = structlog.get_logger(__name__)
 

@@ -25,50 +25,38 @@ Invariants:
   the previous version are kept. A step copies the version it trains from only when its batch
   says so (`Batch.keep_version`: the orchestrator asks when a log-prob check may look back at
   it). An older version, or one not kept, raises KeyError.
-- Trainer state (`save_state`/`load_state`) is safetensors + JSON only, never pickle: trainable
-  weights, AdamW moments keyed by parameter name, RNG state, counters, and the update mode.
-  `trainer.json` holds the sha256 of each tensor file, because safetensors checks no data bytes.
-  A restored trainer's next step gives bit-identical weights to the original's; a state that
-  does not fit (missing or corrupt file, the other update mode, other parameters, shapes or
-  dtypes, other LoRA rank) is refused whole, nothing changed.
+- Trainer state (`save_state`/`load_state`) is trainable weights, AdamW moments keyed by
+  parameter name, RNG state, counters and the update mode, as pipeline.trainer_state writes and
+  checks it (safetensors + JSON, never pickle). A restored trainer's next step gives
+  bit-identical weights to the original's; a state that does not fit (missing or corrupt file,
+  the other update mode, other parameters, shapes or dtypes, other LoRA rank) is refused whole,
+  nothing changed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import structlog
 import torch
 
 from pipeline.config import LossConfig, TrainerConfig
-from pipeline.durable import fsync_dir, write_synced
-from pipeline.errors import ConfigError, TrainerError
+from pipeline.errors import ConfigError
 from pipeline.loss import group_advantages, policy_loss
 from pipeline.models import quiet_progress, building_modules, load_causal_lm, pack_sequences, token_logprobs
+from pipeline.trainer_state import (UPDATE_MODES, Counters, read_simulated_state, read_state, write_simulated_state,
+                                    write_state)
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
 log = structlog.get_logger(__name__)
 
-# Bump when what save_state writes changes; load_state refuses any other format. (The update
-# mode was added to trainer.json within format 1: a state without it was written in LoRA mode.)
-STATE_FORMAT = 1
-STATE_FILES = ("lora.safetensors", "optimizer.safetensors", "rng.safetensors")  # LoRA mode; hashed in trainer.json
-FULL_STATE_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")  # full mode: every weight
-UPDATE_MODES = ("lora", "full")
-ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per parameter once stepped
 FULL_KEEP_VERSIONS = 2  # full mode: the current version and the previous one (a CPU copy of the whole model)
-
-
-def state_files(update: str) -> tuple[str, str, str]:
-    """The tensor files save_state writes in an update mode: weights, optimizer moments, RNG state."""
-    return FULL_STATE_FILES if update == "full" else STATE_FILES
 
 
 class LoRATrainer:
@@ -323,208 +311,47 @@ class LoRATrainer:
     # ------------------------------------------------------------------ state (checkpoint and resume)
 
     def save_state(self, directory: Path) -> None:
-        """Write everything the next step depends on into the existing `directory` (blocking, fsynced).
-
-        lora.safetensors (LoRA) or model.safetensors (full): each trainable parameter by name, in
-        its own dtype (LoRA: float32; full: trainer.dtype); a tied weight once, under its first
-        name. optimizer.safetensors: "<name>.exp_avg", "<name>.exp_avg_sq", "<name>.step" for each
-        parameter AdamW has stepped. rng.safetensors: "cpu" (and "cuda" on a cuda device) RNG
-        state as uint8. trainer.json: format, update mode, version, counters, lr, lora_rank (LoRA),
-        dtype, parameter shapes and each file's sha256. One file's tensors are in memory at a time.
-        """
+        """Write everything the next step depends on into the existing `directory` (blocking, fsynced):
+        the files pipeline.trainer_state describes."""
         assert self.model is not None and self.optimizer is not None, "call setup() first"
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
-        trainable = self._trainable()
-        from safetensors.torch import save
-
-        digests = {}
-        for name, tensors in zip(state_files(self.cfg.update), self._state_tensors(trainable)):
-            data = save(tensors)
-            write_synced(directory / name, data)
-            digests[name] = hashlib.sha256(data).hexdigest()
-            del tensors, data  # before the next file's tensors are gathered: a full model's state is large
-        meta = {
-            "format": STATE_FORMAT, "update": self.cfg.update, "version": self.version,
-            "skipped_steps": self.skipped_steps, "consecutive_skips": self.consecutive_skips, "lr": self.cfg.lr,
-            "lora_rank": None if self.full else self.cfg.lora_rank, "dtype": self.cfg.dtype,
-            "device": self.cfg.device, "parameters": {n: list(p.shape) for n, p in trainable}, "sha256": digests,
-        }
-        write_synced(directory / "trainer.json", json.dumps(meta, indent=1).encode())
-        fsync_dir(directory)
+        write_state(Path(directory), self.cfg, self._trainable(), self.optimizer,
+                    Counters(self.version, self.skipped_steps, self.consecutive_skips))
         log.debug("trainer_state_saved", path=str(directory), version=self.version, update=self.cfg.update)
-
-    def _state_tensors(self, trainable: list[tuple[str, torch.nn.Parameter]]) -> Iterator[dict[str, torch.Tensor]]:
-        """The weights, optimizer and RNG files' tensors, one file at a time."""
-        yield {n: p.detach().to("cpu").contiguous() for n, p in trainable}
-        yield {f"{n}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
-               for n, p in trainable for k, v in self.optimizer.state.get(p, {}).items()}
-        rng = {"cpu": torch.get_rng_state()}
-        if self.cfg.device.startswith("cuda"):
-            rng["cuda"] = torch.cuda.get_rng_state(self.cfg.device)
-        yield rng
 
     def load_state(self, directory: Path) -> None:
         """Restore a state written by `save_state` (after `setup()`; blocking).
 
-        Everything is checked before anything changes: a missing or corrupt file, a state of the
-        other update mode (trainer.json without "update" was written in LoRA mode), other parameter
-        names, shapes or dtypes, or another lora_rank raise TrainerError naming the file or parameter.
+        Everything is checked before anything changes (pipeline.trainer_state.read_state): a state
+        that does not fit this trainer raises TrainerError naming the file or parameter.
         Afterwards only the restored version can be recomputed (the older copies are gone).
         """
         assert self.model is not None and self.optimizer is not None, "call setup() first"
         directory = Path(directory)
-        meta_path = directory / "trainer.json"
-        meta = _read_meta(meta_path)
-        if meta.get("format") != STATE_FORMAT:
-            raise TrainerError(f"{meta_path}: format {meta.get('format')!r}, this trainer reads {STATE_FORMAT}")
-        if meta.get("simulated"):
-            raise TrainerError(f"{meta_path} was written by the simulated trainer, which has no weights to restore")
-        _check_update(meta_path, meta, self.cfg.update)
-        if not self.full and meta.get("lora_rank") != self.cfg.lora_rank:
-            raise TrainerError(f"{meta_path}: saved with lora_rank {meta.get('lora_rank')!r}, "
-                               f"this trainer has lora_rank {self.cfg.lora_rank}")
-        if self.full and meta.get("dtype") != self.cfg.dtype:
-            raise TrainerError(f"{meta_path}: full weights saved in dtype {meta.get('dtype')!r}, "
-                               f"this trainer has trainer.dtype {self.cfg.dtype!r}")
-        counters = {k: _counter(meta_path, meta, k) for k in ("version", "skipped_steps", "consecutive_skips")}
         trainable = dict(self._trainable())
-        shapes = {n: list(p.shape) for n, p in trainable.items()}
-        saved_shapes = meta.get("parameters")
-        if not isinstance(saved_shapes, dict):
-            raise TrainerError(f"{meta_path}: 'parameters' must map parameter names to shapes")
-        _check_same_parameters(meta_path, saved_shapes, shapes)
-        digests = meta.get("sha256")
-        if not isinstance(digests, dict):
-            raise TrainerError(f"{meta_path}: 'sha256' must map file names to digests")
-        files = state_files(self.cfg.update)
-        weights, optim, rng = (_read_tensors(directory / f, digests.get(f)) for f in files)
-
-        weights_path = directory / files[0]
-        _check_same_parameters(weights_path, {n: list(t.shape) for n, t in weights.items()}, shapes)
-        for n, t in weights.items():
-            if t.dtype != trainable[n].dtype:
-                raise TrainerError(f"{weights_path}: parameter {n!r} is {t.dtype}, expected {trainable[n].dtype}")
-        optim_state = _optimizer_state(directory / files[1], optim, trainable)
-        rng_path = directory / files[2]
-        if "cpu" not in rng or rng["cpu"].dtype != torch.uint8:
-            raise TrainerError(f"{rng_path}: no uint8 'cpu' RNG state")
-
+        saved = read_state(directory, self.cfg, trainable)
         with torch.no_grad():
             for n, p in trainable.items():
-                p.copy_(weights[n].to(p.device))
+                p.copy_(saved.weights[n].to(p.device))
         index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         sd = self.optimizer.state_dict()
-        sd["state"] = {index[id(trainable[n])]: st for n, st in optim_state.items()}
+        sd["state"] = {index[id(trainable[n])]: st for n, st in saved.optimizer.items()}
         self.optimizer.load_state_dict(sd)  # places each moment on its parameter's device
-        torch.set_rng_state(rng["cpu"])
+        torch.set_rng_state(saved.rng["cpu"])
         if self.cfg.device.startswith("cuda"):
-            if "cuda" in rng:
-                torch.cuda.set_rng_state(rng["cuda"], self.cfg.device)
+            if "cuda" in saved.rng:
+                torch.cuda.set_rng_state(saved.rng["cuda"], self.cfg.device)
             else:
                 log.warning("trainer_state_no_cuda_rng", path=str(directory), device=self.cfg.device)
-        if meta.get("lr") != self.cfg.lr:
-            log.info("trainer_lr_changed", saved=meta.get("lr"), now=self.cfg.lr)
-        self.version = counters["version"]
-        self.skipped_steps = counters["skipped_steps"]
-        self.consecutive_skips = counters["consecutive_skips"]
+        if saved.lr != self.cfg.lr:
+            log.info("trainer_lr_changed", saved=saved.lr, now=self.cfg.lr)
+        self.version = saved.counters.version
+        self.skipped_steps = saved.counters.skipped_steps
+        self.consecutive_skips = saved.counters.consecutive_skips
         self._snapshots = {}
         log.info("trainer_state_loaded", path=str(directory), version=self.version, update=self.cfg.update)
 
     def close(self) -> None:
         """Nothing to release beyond memory (the process-based trainer stops its child here)."""
-
-
-def _read_meta(path: Path) -> dict[str, Any]:
-    try:
-        meta = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise TrainerError(f"trainer state file {path} is missing") from None
-    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
-        raise TrainerError(f"trainer state file {path} cannot be read as JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise TrainerError(f"trainer state file {path} must hold a JSON object, got {type(meta).__name__}")
-    return meta
-
-
-def _check_update(path: Path, meta: dict[str, Any], update: str) -> None:
-    """Refuse a state written in the other update mode (no "update" field: written in LoRA mode)."""
-    saved = meta.get("update", "lora")
-    if saved not in UPDATE_MODES:
-        raise TrainerError(f"{path}: update must be one of {', '.join(UPDATE_MODES)}, got {saved!r}")
-    if saved != update:
-        what = {"lora": "LoRA adapter weights", "full": "all model weights"}
-        raise TrainerError(f"{path} was written by a trainer with trainer.update = {saved!r} ({what[saved]}); "
-                           f"this trainer has trainer.update = {update!r} ({what[update]}): a state resumes "
-                           "only in the mode that wrote it")
-
-
-def _counter(path: Path, meta: dict[str, Any], key: str) -> int:
-    v = meta.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise TrainerError(f"{path}: {key} must be an integer >= 0, got {v!r}")
-    return v
-
-
-def _read_tensors(path: Path, sha256: Any) -> dict[str, torch.Tensor]:
-    """The tensors of one state file, after checking its bytes against the digest in trainer.json."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise TrainerError(f"trainer state file {path} is missing") from None
-    except OSError as e:
-        raise TrainerError(f"trainer state file {path} cannot be read: {e}") from None
-    if not isinstance(sha256, str):
-        raise TrainerError(f"trainer.json has no sha256 for {path.name}")
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise TrainerError(f"trainer state file {path} is corrupt: its sha256 does not match trainer.json")
-    try:
-        return load(data)
-    except (SafetensorError, ValueError, RuntimeError) as e:  # the digest matched a file that is not safetensors
-        raise TrainerError(f"trainer state file {path} is not valid safetensors: {e}") from None
-
-
-def _check_same_parameters(path: Path, saved: dict[str, Any], expected: dict[str, list[int]]) -> None:
-    """Raise TrainerError naming the first parameter missing, unexpected or of another shape."""
-    missing = [n for n in expected if n not in saved]
-    if missing:
-        raise TrainerError(f"{path}: no parameter {missing[0]!r} ({len(missing)} of this trainer's "
-                           f"{len(expected)} missing; other target_modules?)")
-    extra = [n for n in saved if n not in expected]
-    if extra:
-        raise TrainerError(f"{path}: parameter {extra[0]!r} is not in this trainer ({len(extra)} unknown; "
-                           f"other target_modules?)")
-    for n, shape in expected.items():
-        if saved[n] != shape:
-            raise TrainerError(f"{path}: parameter {n!r} has shape {saved[n]}, this trainer's is {shape}")
-
-
-def _optimizer_state(path: Path, tensors: dict[str, torch.Tensor],
-                     params: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """Group "<name>.<key>" tensors by parameter and check each is a complete AdamW state
-    (moments of the parameter's shape and dtype)."""
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        name, _, field = key.rpartition(".")
-        if name not in params:
-            raise TrainerError(f"{path}: {key!r} is for parameter {name!r}, which is not in this trainer")
-        state.setdefault(name, {})[field] = t
-    for name, st in state.items():
-        absent = [k for k in ADAM_STATE_KEYS if k not in st]
-        if absent:
-            raise TrainerError(f"{path}: parameter {name!r} has no {absent[0]!r}")
-        p = params[name]
-        for k in ("exp_avg", "exp_avg_sq"):
-            if st[k].shape != p.shape or st[k].dtype != p.dtype:
-                raise TrainerError(f"{path}: {name}.{k} is {st[k].dtype} {list(st[k].shape)}, "
-                                   f"expected {p.dtype} {list(p.shape)}")
-        if st["step"].numel() != 1:
-            raise TrainerError(f"{path}: {name}.step must be a scalar, got shape {list(st['step'].shape)}")
-    return state
 
 
 class SimulatedTrainer:
@@ -574,18 +401,7 @@ class SimulatedTrainer:
 
     def save_state(self, directory: Path) -> None:
         """trainer.json with the version (and step_s), fsynced: all the state this trainer has."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
-        meta = {"format": STATE_FORMAT, "simulated": True, "update": self.update, "version": self.version,
-                "step_s": self.step_s}
-        write_synced(directory / "trainer.json", json.dumps(meta).encode())
-        fsync_dir(directory)
+        write_simulated_state(Path(directory), self.update, self.version, self.step_s)
 
     def load_state(self, directory: Path) -> None:
-        path = Path(directory) / "trainer.json"
-        meta = _read_meta(path)
-        if not meta.get("simulated"):
-            raise TrainerError(f"{path} was not written by the simulated trainer")
-        _check_update(path, meta, self.update)
-        self.version = _counter(path, meta, "version")
+        self.version = read_simulated_state(Path(directory), self.update)

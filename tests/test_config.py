@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import RunConfig, config_from_dict, dump_toml, load_config, parse_override
+from pipeline.config import RunConfig
+from pipeline.config_io import config_from_dict, dump_toml, load_config, parse_override
 from pipeline.errors import ConfigError
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -360,7 +361,7 @@ EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.tom
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_every_example_config_loads_and_says_what_it_sets(path: Path) -> None:
     """The shipped examples are valid configs, and each sets what its name promises."""
-    from pipeline.config import load_config
+    from pipeline.config_io import load_config
 
     cfg = load_config(path)
     if "gpu" in path.name:

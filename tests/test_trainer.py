@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from pipeline import models
 from pipeline.config import LossConfig, TrainerConfig
 from pipeline.errors import TrainerError
-from pipeline.trainer import STATE_FILES, LoRATrainer, SimulatedTrainer
+from pipeline.trainer import LoRATrainer, SimulatedTrainer
 from pipeline.trainer_process import ProcessTrainer
+from pipeline.trainer_state import STATE_FILES
 from pipeline.types import Batch, Completion, Generation, GroupRequest, Prompt, RolloutGroup
 
 N = 4  # completions per group

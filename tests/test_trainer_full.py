@@ -19,8 +19,9 @@ from pipeline import models
 from pipeline.adapter_store import AdapterStore
 from pipeline.config import LossConfig, TrainerConfig
 from pipeline.errors import AdapterCorruptError, ConfigError, TrainerError
-from pipeline.trainer import FULL_KEEP_VERSIONS, FULL_STATE_FILES, LoRATrainer, SimulatedTrainer
+from pipeline.trainer import FULL_KEEP_VERSIONS, LoRATrainer, SimulatedTrainer
 from pipeline.trainer_process import ProcessTrainer
+from pipeline.trainer_state import FULL_STATE_FILES
 from pipeline.types import Batch, RolloutGroup
 # the groups and helpers of test_trainer (tests/ is on sys.path)
 from test_trainer import N, _group, _optimizer_state, _weights

@@ -27,7 +27,8 @@ import structlog
 from pipeline.config import LossConfig, TrainerConfig
 from pipeline.errors import TrainerError
 from pipeline.log import close_logging, configure_logging
-from pipeline.trainer_process import ProcessTrainer, _EventShipper, _forward_events
+from pipeline.trainer_log import EventShipper, forward_events
+from pipeline.trainer_process import ProcessTrainer
 
 log = structlog.get_logger(__name__)
 
@@ -208,14 +209,14 @@ def test_the_shipper_never_waits_for_its_reader_and_counts_what_it_drops(tmp_pat
     reader, writer = mp.Pipe(duplex=False)
     child_gone, end = os.pipe()  # stands in for the child's sentinel: readable once `end` is closed
     try:
-        shipper = _EventShipper(writer, limit=1 << 16)
+        shipper = EventShipper(writer, limit=1 << 16)
         burst = threading.Thread(target=lambda: [
             shipper.ship({"event": "burst", "i": i, "pad": "x" * 2000, "level": "info", **shipper.tags})
             for i in range(300)], daemon=True)  # a daemon: a shipper that blocks fails this test, not the session
         burst.start()
         burst.join(2)
         assert not burst.is_alive()
-        thread = threading.Thread(target=_forward_events, args=(reader, SimpleNamespace(sentinel=child_gone)))
+        thread = threading.Thread(target=forward_events, args=(reader, SimpleNamespace(sentinel=child_gone)))
         thread.start()
         assert shipper.flush(10)  # the buffer drained into the pipe, the count of drops after it
         os.close(end)
@@ -224,7 +225,7 @@ def test_the_shipper_never_waits_for_its_reader_and_counts_what_it_drops(tmp_pat
     finally:
         close_logging()
         os.close(child_gone)
-        reader.close()  # closed by _forward_events already, unless it failed
+        reader.close()  # closed by forward_events already, unless it failed
         writer.close()
     events = _events(tmp_path)
     kept = [e["i"] for e in _named(events, "burst")]
