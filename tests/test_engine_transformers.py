@@ -249,16 +249,21 @@ def test_bad_adapter_directories_are_refused_with_their_path(
     assert _max_abs_diff(_adapted(model_dir, adapters[1]), gen) < 1e-4
 
 
-def test_same_version_number_from_another_run_replaces_the_adapter(
+def test_same_version_number_from_another_run_is_another_adapter(
         model_dir: Path, adapters: dict[int, AdapterRef]) -> None:
     # One engine serving two runs in turn: version 1 of the second run is not version 1 of the first.
-    async def body(engine: TransformersEngine) -> Generation:
+    async def body(engine: TransformersEngine) -> tuple[Generation, Generation]:
         await engine.load_adapter(adapters[1])
         other = AdapterRef(version=1, name="v000001-otherrun", path=adapters[2].path)
-        return await engine.generate(_request(0, "other run"), other)
+        # both at once: each group samples with its own adapter, though their version numbers agree
+        gens = await asyncio.gather(engine.generate(_request(0, "other run"), other),
+                                    engine.generate(_request(1, "first run"), adapters[1]))
+        assert engine.loaded_versions == (1, 1)
+        return gens[0], gens[1]
 
-    gen = _run(model_dir, body)
-    assert _max_abs_diff(_adapted(model_dir, adapters[2]), gen) < 1e-4
+    gen_other, gen_first = _run(model_dir, body)
+    assert _max_abs_diff(_adapted(model_dir, adapters[2]), gen_other) < 1e-4
+    assert _max_abs_diff(_adapted(model_dir, adapters[1]), gen_first) < 1e-4
 
 
 def test_eviction_keeps_at_most_max_loaded_adapters(model_dir: Path, adapters: dict[int, AdapterRef]) -> None:

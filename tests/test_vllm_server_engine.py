@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from vllm_server_stub import VLLMServerStub
 
-from pipeline.config import ConfigError, SamplingConfig, SimulatedEngineConfig, VLLMServerEngineConfig, load_config
+from pipeline.config import ConfigError, SamplingConfig, SimulatedEngineConfig, VLLMServerEngineConfig
+from pipeline.config_io import load_config
 from pipeline.engines.simulated import SimulatedEngine
 from pipeline.engines.vllm_server import VLLMServerEngine
 from pipeline.errors import AdapterError, GenerationError
@@ -35,6 +36,7 @@ def adapter_dir(root: Path, version: int) -> AdapterRef:
     d = root / f"v{version:06d}-0000000{version}"
     d.mkdir(parents=True)
     (d / "adapter_config.json").write_text("{}")
+    (d / "adapter_model.safetensors").write_bytes(b"")  # checked for, never read
     return AdapterRef(version, d.name, str(d))
 
 
@@ -313,13 +315,13 @@ def test_a_prompt_longer_than_the_servers_context_is_refused_by_name(tmp_path: P
         finally:
             await stub.close()
             await inner.close()
-        assert p.max_context == 12  # the tiny model's own context is 512
         return summary
 
     summary = asyncio.run(main())
     assert summary["accounting_ok"] and summary["prompts_refused"] >= 1 and summary["steps"] == 3, summary
     events = [json.loads(x) for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     reasons = [e["reason"] for e in events if e["event"] == "prompt_refused"]
+    # the server's 12, not the tiny model's own 512
     assert any("'long' has 9 tokens; with max_new_tokens 4 it exceeds the context of 12" in r for r in reasons), reasons
 
 

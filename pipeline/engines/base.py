@@ -1,69 +1,20 @@
-"""The Engine protocol: how the orchestrator asks for a group of completions.
+"""Checks every engine makes: a group request it can sample, an adapter or model directory it can load.
 
-Invariants every engine keeps:
-- `generate(request, adapter)` returns exactly `request.n` completions sampled with the weights
-  of `adapter.version`, each with its token ids and the log-probability of every sampled token
-  under the distribution it was sampled from; `Generation.version == adapter.version`.
-- A group that started on version k finishes on k, even if newer versions are loaded meanwhile.
-- Cancelling `generate` aborts the request: the engine stops spending work on it.
-- `load_adapter` makes a version ready so that no request pays for loading it;
-  `unload_adapter` frees it. Engines keep a bounded number of versions loaded.
-- Adapters are identified by `AdapterRef.name` (unique, content-hashed), never by the version
-  number alone: one engine may serve several runs in turn (a benchmark sweep), and version 3
-  of one run is not version 3 of another.
-- `start()` is idempotent: a Pipeline calls it on every engine, including engines the caller
-  built and started already (those it does not close either: the caller owns them).
-- `start()` after `close()` starts the same object afresh (a restart): the model is loaded again,
-  no adapter is loaded, and calls made before the close never complete on the new start (they
-  raise EngineDeadError or an error of their own). The Pipeline restarts only engines it built.
-- Engines never call back into the orchestrator.
-- Full-weight updates (built with `full_weights=True`): a version is a whole model directory
-  and an engine holds one version at a time. `load_adapter` replaces the weights (the caller
-  drains the engine's groups first; the engine waits for any still running); `generate` for
-  any version but the loaded one raises GenerationError; `unload_adapter` does nothing.
-- Optional: `generate_many(requests, adapter)` samples several groups in one call and returns,
-  in order, each one's Generation or the exception that failed it. An engine offers it when
-  one call for many groups is cheaper than one per group (the simulated engine, where the
-  per-call cost is all there is); the orchestrator then starts the groups admitted together
-  as one call. Engines without it get one `generate` per group, each finishing on its own.
+The Engine protocol itself lives in `pipeline.protocols`; `Engine` and `BatchEngine` are
+importable from here too, where engine code and callers have always found them.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, PromptError
-from pipeline.metrics import BusyMeter
-from pipeline.types import AdapterRef, Generation, GroupRequest
+from pipeline.protocols import BatchEngine, Engine
+from pipeline.types import AdapterRef, GroupRequest
 
-
-@runtime_checkable
-class Engine(Protocol):
-    """An inference engine that samples whole groups."""
-
-    name: str
-    busy: BusyMeter  # entered while at least one request runs: the engine's busy time
-
-    async def start(self) -> None:
-        """Load the model, inside the running event loop, before any other call; after `close()`, again."""
-        ...
-
-    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Generation:
-        """Sample `request.n` completions of `request.prompt` with `adapter`'s weights."""
-        ...
-
-    async def load_adapter(self, adapter: AdapterRef) -> None:
-        """Load a published version (its directory on the shared filesystem) ahead of use."""
-        ...
-
-    async def unload_adapter(self, adapter: AdapterRef) -> None:
-        """Free an adapter no request will use again (deferred while requests use it). Unknown ones are ignored."""
-        ...
-
-    async def close(self) -> None:
-        """Abort what is running and free the engine's resources. Safe to call twice."""
-        ...
+__all__ = ["BatchEngine", "Engine", "check_adapter_dir", "check_group_request", "check_model_dir",
+           "check_same_adapter", "held_versions", "same_version"]
 
 
 def check_group_request(request: GroupRequest, context: tuple[int, str] | None = None,
@@ -117,4 +68,38 @@ def check_model_dir(adapter: AdapterRef) -> Path:
                                   "(a full-weight version is a model directory; is trainer.update right?)")
     if not any(path.glob("*.safetensors")):
         raise AdapterCorruptError(f"version {adapter.version}: {str(path)!r} has no safetensors weights")
+    return path
+
+
+def check_adapter_dir(adapter: AdapterRef, rank_limit: tuple[int, str] | None = None) -> Path:
+    """A LoRA version's absolute directory, refused (naming the path) unless it holds an adapter.
+
+    Cheap (no weights read): adapter_config.json, readable JSON, and at least one safetensors
+    file must be there; with `rank_limit` (the largest rank the engine takes, and the setting
+    that sets it) the adapter's rank, `r` or any of `rank_pattern`, must not exceed it.
+    """
+    if adapter.path is None:
+        raise AdapterNotFoundError(f"adapter version {adapter.version} ({adapter.name}) has no path")
+    path = Path(adapter.path).resolve()
+    if not path.is_dir():
+        raise AdapterNotFoundError(f"adapter version {adapter.version}: directory {str(path)!r} does not exist")
+    config_path = path / "adapter_config.json"
+    if not config_path.is_file():
+        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} has no adapter_config.json")
+    if not any(path.glob("*.safetensors")):
+        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} has no safetensors weights")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(config_path)!r} is not readable "
+                                  f"JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(config_path)!r} holds no JSON object")
+    if rank_limit is not None:
+        limit, setting = rank_limit
+        ranks = [config.get("r", 0), *(config.get("rank_pattern") or {}).values()]
+        rank = max(int(r) for r in ranks)
+        if rank > limit:
+            raise AdapterError(f"adapter version {adapter.version} at {str(path)!r} has LoRA rank {rank} but "
+                               f"{setting} = {limit}; raise {setting}")
     return path

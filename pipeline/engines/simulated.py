@@ -60,6 +60,11 @@ class SimulatedEngine:
         self._weights = AdapterRef.base()  # full-weight mode: the one version held
         self._calls = 0  # full-weight mode: generate / generate_many calls running
 
+    @property
+    def max_context(self) -> int | None:
+        """None: no model, so no context limit of its own."""
+        return None
+
     async def start(self) -> None:
         """Start; after `close()`, start afresh (no adapter loaded, `die_after` counts from zero)."""
         if self._started and not self._closed:

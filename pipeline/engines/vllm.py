@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 import uuid
@@ -77,11 +76,17 @@ import structlog
 
 from pipeline.config import SamplingConfig, VLLMEngineConfig
 from pipeline.devices import ENV_LOCK, visible_devices
-from pipeline.engines.base import check_group_request, check_model_dir, check_same_adapter, held_versions, same_version
+from pipeline.engines.base import (
+    check_adapter_dir,
+    check_group_request,
+    check_model_dir,
+    check_same_adapter,
+    held_versions,
+    same_version,
+)
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
-    AdapterNotFoundError,
     ConfigError,
     EngineDeadError,
     GenerationError,
@@ -146,31 +151,6 @@ def physical_gpu(device: str) -> str:
         raise ConfigError(f"engine.devices: {device} is not visible: CUDA_VISIBLE_DEVICES={visible!r} "
                           f"lists {len(entries)} GPU(s)")
     return entries[index]
-
-
-def check_adapter_dir(adapter: AdapterRef, max_lora_rank: int) -> Path:
-    """The adapter's absolute directory, refused (naming the path) unless vLLM could load it."""
-    if adapter.path is None:
-        raise AdapterNotFoundError(f"adapter version {adapter.version} ({adapter.name}) has no path")
-    path = Path(adapter.path).resolve()
-    if not path.is_dir():
-        raise AdapterNotFoundError(f"adapter version {adapter.version}: directory {str(path)!r} does not exist")
-    config_path = path / "adapter_config.json"
-    if not config_path.is_file():
-        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} has no adapter_config.json")
-    if not any(path.glob("*.safetensors")):
-        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} has no safetensors weights")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise AdapterCorruptError(f"adapter version {adapter.version}: {str(config_path)!r} is not readable "
-                                  f"JSON: {e}") from e
-    ranks = [config.get("r", 0), *(config.get("rank_pattern") or {}).values()]
-    rank = max(int(r) for r in ranks)
-    if rank > max_lora_rank:
-        raise AdapterError(f"adapter version {adapter.version} at {str(path)!r} has LoRA rank {rank} but "
-                           f"engine.vllm.max_lora_rank = {max_lora_rank}; raise engine.vllm.max_lora_rank")
-    return path
 
 
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
@@ -266,6 +246,11 @@ class VLLMEngine:
         if self.full_weights:
             return held_versions(self._weights)
         return tuple(sorted(a.ref.version for a in self._adapters.values() if _loaded_ok(a)))
+
+    @property
+    def max_context(self) -> int | None:
+        """engine.vllm.max_model_len (after `start()`, as vLLM took it)."""
+        return self._max_model_len or self.cfg.max_model_len
 
     @property
     def loaded_adapters(self) -> tuple[str, ...]:
@@ -666,7 +651,7 @@ class VLLMEngine:
 
     def _begin_load(self, adapter: AdapterRef) -> _Adapter:
         """Start loading `adapter` into vLLM (removing stale idle adapters first); return its entry."""
-        path = check_adapter_dir(adapter, self.cfg.max_lora_rank)
+        path = check_adapter_dir(adapter, (self.cfg.max_lora_rank, "engine.vllm.max_lora_rank"))
         self._evict_for(adapter)
         lora_id = self._next_lora_id
         self._next_lora_id += 1

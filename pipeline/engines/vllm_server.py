@@ -17,7 +17,7 @@ Invariants (beyond the Engine protocol's):
   `model` must be that name.
 - A group that started on version k finishes on k: a registered adapter is unregistered only when
   none of this engine's requests uses it (deferred otherwise); at most `max_loaded_adapters`
-  stay registered (the oldest idle ones go first).
+  stay registered (the oldest idle ones go first). `residency.Residency` decides when.
 - A server that forgot an adapter (it was restarted) answers 404 for its name: the engine
   registers it again and sends the request once more.
 - Cancelling `generate` closes its HTTP request; vLLM aborts a completion whose client went away.
@@ -36,15 +36,15 @@ import json
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import structlog
 
 from pipeline.config import ConfigError, SamplingConfig, VLLMServerEngineConfig
-from pipeline.engines.base import check_group_request, check_same_adapter
+from pipeline.engines.base import check_adapter_dir, check_group_request
+from pipeline.engines.residency import Residency, Resident
 from pipeline.engines.vllm import _FAILED_REASONS, _FINISH_REASONS
 from pipeline.errors import AdapterError, AdapterNotFoundError, EngineDeadError, GenerationError
 from pipeline.metrics import BusyMeter
@@ -72,17 +72,15 @@ class VLLMServerEngineStats:
     adapters_unloaded: int = 0
 
 
-@dataclass(eq=False)
-class _Registered:
-    """One adapter version as this engine registered it on the server."""
+@dataclass(frozen=True)
+class _Registration:
+    """How the server knows one adapter version."""
 
-    ref: AdapterRef
-    name: str  # the server's name for it: "<ref.name>-<tag>"
+    name: str  # the server's name for it: "<AdapterRef.name>-<tag>"
     path: str  # the directory, resolved, as the server is asked to read it
-    order: int  # registration order: smaller was registered earlier
-    ready: asyncio.Task[None] = field(init=False)  # the registration; done (without error) once the server holds it
-    in_flight: int = 0  # generate calls using it
-    unload_requested: bool = False  # unregister when in_flight drops to 0
+
+
+_Registered = Resident[_Registration]  # one adapter version as this engine registers it on the server
 
 
 class VLLMServerEngine:
@@ -109,9 +107,7 @@ class VLLMServerEngine:
         self._headers: dict[str, str] = {}
         self._session: Any = None  # aiohttp.ClientSession once started
         self._start_lock = asyncio.Lock()
-        self._adapters: dict[str, _Registered] = {}  # AdapterRef.name -> registered or registering
-        self._order = 0
-        self._background: set[asyncio.Task[Any]] = set()
+        self._residency = self._new_residency()  # the adapters registered or registering
         self._closed = False
         self._closes = 0  # close() calls so far: a call that spans one learns the engine closed under it
 
@@ -120,7 +116,12 @@ class VLLMServerEngine:
     @property
     def loaded_versions(self) -> tuple[int, ...]:
         """Versions registered on the server by this engine (the base model, version 0, not listed)."""
-        return tuple(sorted(a.ref.version for a in self._adapters.values() if _ready(a)))
+        return tuple(sorted(r.ref.version for r in self._residency if r.loaded))
+
+    @property
+    def max_context(self) -> int | None:
+        """The server's --max-model-len, as it reports it (None before `start()`)."""
+        return self.max_model_len
 
     async def start(self) -> None:
         """Connect to the server and find its base model; after `close()`, again (no adapter registered)."""
@@ -128,7 +129,7 @@ class VLLMServerEngine:
             if self._session is not None and not self._closed:
                 return
             self._closed = False
-            self._adapters = {}
+            self._residency = self._new_residency()
             import aiohttp
 
             key_env = self.cfg.api_key_env
@@ -154,9 +155,10 @@ class VLLMServerEngine:
         t_start = time.monotonic()
         check_group_request(request)  # the server checks its context and vocabulary itself (a 400)
         self.stats.requests += 1
+        residency = self._residency  # the one this call releases into, even after a restart
         entry: _Registered | None = None
         try:
-            entry = await self._acquire(adapter)
+            entry = await residency.acquire(adapter)
             data = await self._complete(request, entry)
             generation = self._generation(request, adapter, entry, data, t_start)
         except asyncio.CancelledError:
@@ -166,29 +168,16 @@ class VLLMServerEngine:
             self.stats.failed += 1
             raise
         finally:
-            if entry is not None:
-                self._release(entry)
+            residency.release(entry)
         self.stats.tokens += generation.num_tokens
         return generation
 
     async def load_adapter(self, adapter: AdapterRef) -> None:
         self._check_usable()
-        if adapter.version == 0:
-            return
-        entry = self._adapters.get(adapter.name) or self._begin_register(adapter)
-        self._check_same(entry, adapter)
-        entry.unload_requested = False
-        await asyncio.shield(entry.ready)
-        self._evict()
+        await self._residency.load(adapter)
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
-        entry = self._adapters.get(adapter.name)
-        if self._closed or entry is None or adapter.version == 0:
-            return
-        if entry.in_flight or not _ready(entry):
-            entry.unload_requested = True
-            return
-        await self._unregister(entry)
+        await self._residency.unload(adapter)  # after close() it does nothing
 
     async def close(self) -> None:
         """End this engine's requests, unregister its adapters (best effort) and close the connections."""
@@ -197,13 +186,10 @@ class VLLMServerEngine:
         self._closed = True
         self._closes += 1
         session, self._session = self._session, None
-        entries, self._adapters = list(self._adapters.values()), {}
-        for task in list(self._background):
-            task.cancel()
+        registered = await self._residency.close()  # registrations and unregistrations under way cancelled
         if session is None:
             return
         await session.close()  # closes its connections: the requests in flight end now (EngineDeadError)
-        registered = [e for e in entries if _ready(e)]
         if not registered:
             return
         import aiohttp
@@ -288,7 +274,7 @@ class VLLMServerEngine:
     def _body(self, request: GroupRequest, entry: _Registered | None) -> dict[str, Any]:
         s = self.sampling
         body = {
-            "model": entry.name if entry is not None else self.model,
+            "model": entry.handle.name if entry is not None else self.model,
             "prompt": list(request.prompt.token_ids),
             "n": request.n,
             "max_tokens": request.max_new_tokens,
@@ -319,7 +305,7 @@ class VLLMServerEngine:
             if status == 404 and entry is not None and attempt == 0 and "does not exist" in _message(data):
                 # the server was restarted and lost its registrations: this one is still ours to use
                 self.stats.reregistered += 1
-                log.warning("adapter_reregistered", engine=self.name, url=self.url, adapter=entry.name)
+                log.warning("adapter_reregistered", engine=self.name, url=self.url, adapter=entry.handle.name)
                 await self._register(entry)
                 continue
             raise GenerationError(f"engine {self.name}: the vLLM server at {self.url} answered {status} to group "
@@ -328,7 +314,7 @@ class VLLMServerEngine:
 
     def _generation(self, request: GroupRequest, adapter: AdapterRef, entry: _Registered | None,
                     data: dict[str, Any], t_start: float) -> Generation:
-        sent = entry.name if entry is not None else self.model
+        sent = entry.handle.name if entry is not None else self.model
         if data.get("model") != sent:
             raise GenerationError(f"engine {self.name}: group {request.group_id} asked {self.url} for {sent!r} "
                                   f"(version {adapter.version}) but the answer is from {data.get('model')!r}")
@@ -362,62 +348,18 @@ class VLLMServerEngine:
 
     # ------------------------------------------------------------------ adapters
 
-    async def _acquire(self, adapter: AdapterRef) -> _Registered | None:
-        """The registered adapter for `adapter` (registering it if needed), counted as in use; None for base."""
-        if adapter.version == 0:
-            return None
-        entry = self._adapters.get(adapter.name) or self._begin_register(adapter)
-        self._check_same(entry, adapter)
-        entry.in_flight += 1
-        entry.unload_requested = False  # a new request is evidence that it is still needed
-        try:
-            await asyncio.shield(entry.ready)
-        except BaseException:
-            self._release(entry)
-            raise
-        return entry
+    def _new_residency(self) -> Residency[_Registration]:
+        return Residency(self.name, self.max_loaded, prepare=self._prepare, load=self._register,
+                         unload=self._unregister, held_as="registered")
 
-    def _release(self, entry: _Registered) -> None:
-        entry.in_flight -= 1
-        if entry.in_flight == 0 and entry.unload_requested and self._adapters.get(entry.ref.name) is entry:
-            self._unregister_soon(entry)
-
-    def _check_same(self, entry: _Registered, adapter: AdapterRef) -> None:
-        check_same_adapter(entry.ref, adapter, "registered")
-
-    def _begin_register(self, adapter: AdapterRef) -> _Registered:
-        if adapter.path is None:
-            raise AdapterNotFoundError(f"adapter version {adapter.version} ({adapter.name}) has no path")
-        path = Path(adapter.path).resolve()
-        if not (path / "adapter_config.json").is_file():
-            raise AdapterNotFoundError(f"adapter version {adapter.version}: {str(path)!r} has no adapter_config.json")
-        self._order += 1
-        entry = _Registered(ref=adapter, name=f"{adapter.name}-{self._tag}", path=str(path), order=self._order)
-        entry.ready = asyncio.get_running_loop().create_task(self._register_first(entry),
-                                                             name=f"{self.name}-register-{adapter.name}")
-        # retrieve the outcome even when every waiter was cancelled (no "never retrieved" noise)
-        entry.ready.add_done_callback(lambda t: t.cancelled() or t.exception())
-        self._adapters[adapter.name] = entry
-        return entry
-
-    async def _register_first(self, entry: _Registered) -> None:
-        try:
-            await self._register(entry)
-        except BaseException:
-            if self._adapters.get(entry.ref.name) is entry:
-                del self._adapters[entry.ref.name]  # a later load tries again
-            raise
-        if entry.unload_requested and not entry.in_flight:  # found stale while it was registering
-            asyncio.get_running_loop().call_soon(self._release_if_idle, entry)
-
-    def _release_if_idle(self, entry: _Registered) -> None:
-        if entry.unload_requested and not entry.in_flight and self._adapters.get(entry.ref.name) is entry:
-            self._unregister_soon(entry)
+    def _prepare(self, adapter: AdapterRef) -> _Registration:
+        """The server's name for `adapter` and its directory, refused unless it holds an adapter."""
+        return _Registration(name=f"{adapter.name}-{self._tag}", path=str(check_adapter_dir(adapter)))
 
     async def _register(self, entry: _Registered) -> None:
         t0 = time.monotonic()
         status, data = await self._request("POST", "/v1/load_lora_adapter",
-                                           {"lora_name": entry.name, "lora_path": entry.path})
+                                           {"lora_name": entry.handle.name, "lora_path": entry.handle.path})
         msg = _message(data)
         if status == 400 and "already been loaded" in msg:
             pass  # ours (the name is this engine's alone): an earlier registration got through
@@ -426,45 +368,30 @@ class VLLMServerEngine:
                                f"(POST /v1/load_lora_adapter: {status} {msg}); {_RUNTIME_LORA_HINT}")
         elif status == 404:
             raise AdapterNotFoundError(f"the vLLM server at {self.url} cannot read adapter version "
-                                       f"{entry.ref.version} at {entry.path!r}: {msg}; the adapter store must be "
-                                       "on a filesystem the server sees at the same path")
+                                       f"{entry.ref.version} at {entry.handle.path!r}: {msg}; the adapter store "
+                                       "must be on a filesystem the server sees at the same path")
         elif status != 200:
             raise AdapterError(f"the vLLM server at {self.url} could not load adapter version {entry.ref.version} "
-                               f"from {entry.path!r}: {status} {msg}")
+                               f"from {entry.handle.path!r}: {status} {msg}")
         self.stats.adapters_loaded += 1
-        log.info("adapter_loaded", engine=self.name, version=entry.ref.version, adapter=entry.name,
+        log.info("adapter_loaded", engine=self.name, version=entry.ref.version, adapter=entry.handle.name,
                  seconds=round(time.monotonic() - t0, 4))
 
-    def _evict(self) -> None:
-        """Unregister the oldest idle adapters beyond max_loaded_adapters."""
-        idle = sorted((a for a in self._adapters.values() if _ready(a) and not a.in_flight), key=lambda a: a.order)
-        for entry in idle[:max(0, len(self._adapters) - self.max_loaded)]:
-            self._unregister_soon(entry)
-
-    def _unregister_soon(self, entry: _Registered) -> None:
-        if self._adapters.get(entry.ref.name) is entry:
-            del self._adapters[entry.ref.name]
-        task = asyncio.get_running_loop().create_task(self._unregister(entry), name=f"{self.name}-unregister")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def _unregister(self, entry: _Registered) -> None:
-        if self._adapters.get(entry.ref.name) is entry:
-            del self._adapters[entry.ref.name]
         if self._session is None:
             return
         with contextlib.suppress(EngineDeadError):  # an unreachable server has forgotten it anyway
             await self._post_unregister(self._session, entry)
 
     async def _post_unregister(self, session: Any, entry: _Registered) -> None:
-        status, data = await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": entry.name},
+        status, data = await self._request("POST", "/v1/unload_lora_adapter", {"lora_name": entry.handle.name},
                                            session=session)
         if status not in (200, 404):  # 404: the server no longer has it (restarted); nothing to free
-            log.warning("adapter_unload_failed", engine=self.name, adapter=entry.name, status=status,
+            log.warning("adapter_unload_failed", engine=self.name, adapter=entry.handle.name, status=status,
                         error=_message(data))
             return
         self.stats.adapters_unloaded += 1
-        log.info("adapter_unloaded", engine=self.name, version=entry.ref.version, adapter=entry.name)
+        log.info("adapter_unloaded", engine=self.name, version=entry.ref.version, adapter=entry.handle.name)
 
     # ------------------------------------------------------------------ checks
 
@@ -473,10 +400,6 @@ class VLLMServerEngine:
             raise EngineDeadError(f"engine {self.name} is closed")
         if self._session is None:
             raise EngineDeadError(f"engine {self.name} was not started")
-
-
-def _ready(entry: _Registered) -> bool:
-    return entry.ready.done() and not entry.ready.cancelled() and entry.ready.exception() is None
 
 
 def _refused(e: BaseException | None) -> bool:
