@@ -52,8 +52,9 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
-from pipeline.config import load_config  # noqa: E402
-from pipeline.orchestrator import Pipeline, quiet_gc, restore_gc  # noqa: E402
+from pipeline.config_io import load_config  # noqa: E402
+from pipeline.orchestrator import Pipeline  # noqa: E402
+from pipeline.runtime import quiet_gc, restore_gc  # noqa: E402
 
 BENCHMARK = "overhead"
 TARGET_GROUPS_PER_S = 20_000  # the issue's target with n=8 on one core

@@ -11,17 +11,37 @@ Invariants:
   one; a round's groups have ids of their own, below zero (`eval_group_id`), so they can never
   meet a training group's id (a stream position, >= 0) in the rollout log.
 - A version that a round samples with stays loaded until the round's last engine call has
-  returned (`VersionPins`); in full-weight mode no engine swaps weights while a round samples.
+  returned (`pipeline.versions.VersionPins`); in full-weight mode no engine swaps weights while
+  a round samples.
+- A round's rows reach the RolloutLog and its metrics row reaches metrics.jsonl in one moment on
+  the loop; `done` names the rounds whose rows a checkpoint covers, so a resumed run redoes only
+  the round it cut.
 - `pass_at_k` is the unbiased estimator of Chen et al. (2021): 1 - C(n - c, k) / C(n, k).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+import structlog
+
+from pipeline.config import EvalConfig, SamplingConfig
+from pipeline.errors import ConfigError, PromptError
+from pipeline.types import Generation, GroupOutcome, GroupRequest, Prompt
+
+if TYPE_CHECKING:  # the components a round uses; none of them imports this module back
+    from pipeline.generation import Generator
+    from pipeline.outcomes import Outcomes
+    from pipeline.prompts import PromptBuilder
+    from pipeline.rewards import RewardScorer
+    from pipeline.scoring import Texts
+    from pipeline.versions import VersionPins, Versions
+
+log = structlog.get_logger(__name__)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -68,48 +88,125 @@ def round_metrics(rewards: Sequence[np.ndarray], parts: Sequence[np.ndarray], na
     return out
 
 
-class VersionPins:
-    """Versions that evaluation rounds are sampling with, and a gate for full-weight swaps.
-
-    `pin` takes the serving version (waiting while a swap is under way); `unpin` releases it.
-    `hold_swaps` waits until no version is pinned and keeps new pins out until `release_swaps`.
-    """
-
-    def __init__(self) -> None:
-        self._count: Counter[int] = Counter()
-        self._cond = asyncio.Condition()
-        self._swapping = False
-
-    async def pin(self, current: Callable[[], int]) -> int:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._swapping)
-            version = current()
-            self._count[version] += 1
-            return version
-
-    async def unpin(self, version: int) -> None:
-        async with self._cond:
-            self._count[version] -= 1
-            if self._count[version] <= 0:
-                del self._count[version]
-            self._cond.notify_all()
-
-    def versions(self) -> list[int]:
-        return sorted(self._count)
-
-    async def hold_swaps(self) -> None:
-        async with self._cond:
-            self._swapping = True
-            await self._cond.wait_for(lambda: not self._count)
-
-    async def release_swaps(self) -> None:
-        async with self._cond:
-            self._swapping = False
-            self._cond.notify_all()
-
-
 def eval_row(step: int, version: int, metrics: dict[str, Any], groups: int, failed: int, refused: int,
              seconds: float) -> dict[str, Any]:
     """The metrics.jsonl row of one round (keys under eval/, beside the step and the version used)."""
     return {"step": step, "version": version, **metrics, "eval/groups": groups, "eval/failed": failed,
             "eval/prompts_refused": refused, "eval/seconds": seconds}
+
+
+class Evaluator:
+    """The eval loop: rounds requested by the training loop, sampled, scored and logged."""
+
+    def __init__(self, items: Sequence[Any], *, cfg: EvalConfig, sampling: SamplingConfig, seed: int,
+                 builder: PromptBuilder, generator: Generator, versions: Versions, pins: VersionPins,
+                 scorer: RewardScorer, texts: Texts, outcomes: Outcomes, write_row: Callable[[dict[str, Any]], None],
+                 batch: int, done: set[int]) -> None:
+        self.items = list(items)
+        self.cfg = cfg
+        self.sampling = sampling
+        self.seed = seed
+        self.builder = builder
+        self.generator = generator
+        self.versions = versions
+        self.pins = pins
+        self.scorer = scorer
+        self.texts = texts
+        self.outcomes = outcomes
+        self._write_row = write_row  # metrics.jsonl and the trackers
+        self.batch = batch  # groups per engine call: batch_groups where engines have generate_many, else 1
+        self.done = done  # rounds whose rows are in the RolloutLog
+        self.rows: list[dict[str, Any]] = []  # this session's and the kept earlier ones', one per round
+        self._due: asyncio.Queue[int] = asyncio.Queue()  # steps whose policy is to be evaluated
+        self._queued: set[int] = set()
+        self._prompts: list[Prompt | None] | None = None  # the items as Prompts, converted once
+
+    def request(self, step: int) -> None:
+        """Queue a round of the policy of `step` (once per step)."""
+        if step not in self._queued and step not in self.done:
+            self._queued.add(step)
+            self._due.put_nowait(step)
+
+    async def join(self) -> None:
+        """Until every requested round is done."""
+        await self._due.join()
+
+    async def eval_loop(self) -> None:
+        """Consumes steps to evaluate; produces eval rows (metrics.jsonl, trackers) and eval groups
+        (rollouts.zarr, fate "eval"); waits on the step's version being served, then on the engines.
+
+        A round samples at the serving version once it is the step's (or, if engines could not load
+        that one, at the one they serve); it shares the engines with training groups, never the buffer.
+        """
+        while True:
+            step = await self._due.get()
+            try:
+                await self.versions.wait_serving(step)
+                await self._round(step)
+            finally:
+                self._due.task_done()
+
+    def _prompt_list(self) -> list[Prompt | None]:
+        """The eval prompts (None where one is refused), converted once; ConfigError if all are refused."""
+        if self._prompts is None:
+            prompts: list[Prompt | None] = []
+            reasons: Counter[str] = Counter()
+            for item in self.items:
+                try:
+                    prompts.append(self.builder.build(item))
+                except PromptError as e:
+                    prompts.append(None)
+                    if not reasons[e.reason]:
+                        log.warning("eval_prompt_refused", reason=e.reason, error=str(e))
+                    reasons[e.reason] += 1
+            if not any(p is not None for p in prompts):
+                raise ConfigError(f"every one of the {len(prompts)} eval prompts was refused "
+                                  f"({', '.join(f'{r}: {n}' for r, n in reasons.items())}); see events.jsonl")
+            self._prompts = prompts
+        return self._prompts
+
+    async def _round(self, step: int) -> None:
+        """One evaluation of the serving policy: every eval prompt sampled eval.n times, scored, logged."""
+        cfg, sampling = self.cfg, self.sampling
+        t0 = time.monotonic()
+        prompts = self._prompt_list()
+        base = self.seed * 1_000_003
+        requests = [GroupRequest(eval_group_id(step, i), p, cfg.n, sampling.max_new_tokens,
+                                 (base + eval_group_id(step, i)) % 2**31 if sampling.per_request_seed else None)
+                    for i, p in enumerate(prompts) if p is not None]
+        version = await self.pins.pin(lambda: self.versions.served)
+        try:
+            results = await self.generator.generate_eval(requests, self.versions.adapters[version], self.batch)
+        finally:
+            await self.pins.unpin(version)
+        gens = [r for r in results if isinstance(r, Generation)]
+        ids = [[c.token_ids.tolist() for c in g.completions] for g in gens]
+        scores = await self.scorer.score_many_parts([g.request.prompt for g in gens], await self.texts(ids), ids)
+        by_id = {g.request.group_id: s for g, s in zip(gens, scores)}
+        now = time.monotonic()
+        outcomes, rewards, parts = [], [], []
+        for request, r in zip(requests, results):
+            scored = by_id.get(request.group_id)
+            if not isinstance(r, Generation):
+                log.warning("eval_group_failed", step=step, group_id=request.group_id, error=repr(r))
+                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "generation_error",
+                                             step, None, None, t0, now))
+            elif not isinstance(scored, tuple):  # a RewardError
+                log.warning("eval_group_failed", step=step, group_id=request.group_id, error=str(scored))
+                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "reward_error",
+                                             step, r, None, t0, now))
+            else:
+                rewards.append(scored[0])
+                parts.append(scored[1])
+                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "", step, r,
+                                             scored[0], t0, now))
+        # one moment on the loop: the round's rows and its metrics row appear together, or neither does
+        self.outcomes.record_eval(outcomes)
+        metrics = round_metrics(rewards, parts, self.scorer.names, cfg.n, cfg.pass_threshold)
+        row = eval_row(step, version, metrics, len(rewards), len(requests) - len(rewards),
+                       len(prompts) - len(requests), time.monotonic() - t0)
+        self._write_row(row)
+        self.rows.append(row)
+        self.done.add(step)
+        log.info("eval_done", step=step, version=version, groups=len(rewards), seconds=round(row["eval/seconds"], 3),
+                 **{k.split("/", 1)[1]: round(v, 4) for k, v in metrics.items()})

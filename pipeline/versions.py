@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Sequence
+from collections import Counter
+from typing import Any, Callable, Sequence
 
 import structlog
 
@@ -28,7 +29,6 @@ from pipeline.adapter_store import AdapterStore
 from pipeline.buffer import RolloutBuffer
 from pipeline.engines.base import Engine
 from pipeline.errors import AdapterError, EngineDeadError
-from pipeline.evaluation import VersionPins
 from pipeline.rotation import EngineRotation
 from pipeline.types import AdapterRef
 
@@ -49,6 +49,46 @@ async def settled(coros: list[Any]) -> list[Any]:
         return [e]  # the coroutine's own cancellation: gather returns it as its result
     except Exception as e:  # returned, as gather(return_exceptions=True) does
         return [e]
+
+
+class VersionPins:
+    """Versions that evaluation rounds are sampling with, and a gate for full-weight swaps.
+
+    `pin` takes the serving version (waiting while a swap is under way); `unpin` releases it.
+    `hold_swaps` waits until no version is pinned and keeps new pins out until `release_swaps`.
+    """
+
+    def __init__(self) -> None:
+        self._count: Counter[int] = Counter()
+        self._cond = asyncio.Condition()
+        self._swapping = False
+
+    async def pin(self, current: Callable[[], int]) -> int:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            version = current()
+            self._count[version] += 1
+            return version
+
+    async def unpin(self, version: int) -> None:
+        async with self._cond:
+            self._count[version] -= 1
+            if self._count[version] <= 0:
+                del self._count[version]
+            self._cond.notify_all()
+
+    def versions(self) -> list[int]:
+        return sorted(self._count)
+
+    async def hold_swaps(self) -> None:
+        async with self._cond:
+            self._swapping = True
+            await self._cond.wait_for(lambda: not self._count)
+
+    async def release_swaps(self) -> None:
+        async with self._cond:
+            self._swapping = False
+            self._cond.notify_all()
 
 
 class LoraSwap:

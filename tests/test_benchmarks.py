@@ -7,7 +7,7 @@ except the simulated balanced sweep, whose overlap at max_staleness=1 must show 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import subprocess
@@ -18,16 +18,20 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from conftest import REPO, load_script
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = REPO / "benchmarks"
 HARDWARE_KEYS = {"cpu_model", "cpu_cores", "gpus", "versions", "loadavg_1m"}
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(BENCH / f"{name}.py", f"bench_{name}")
+
+
+def load_part(name: str) -> ModuleType:
+    """A module of benchmarks/staleness/, the sweep's parts, imported as the sweep script imports it."""
+    load("throughput_vs_staleness")  # puts benchmarks/ on sys.path, as running the script does
+    return importlib.import_module(f"staleness.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -123,31 +127,31 @@ def test_simulated_sweep_at_another_step_time_is_named_for_it(tmp_path: Path) ->
 
 
 def test_generator_idle_puts_each_idle_second_down_to_what_the_groups_were_doing() -> None:
-    tvs = load("throughput_vs_staleness")
+    analysis = load_part("analysis")
     nan = float("nan")
     # busy 1-2 and 3-4 in a window 0-5; group a: admitted 0.5, started 0.8, generated until 2;
     # group b: admitted and started at 2.5 (waits for its adapter until 3); c never generated
     admitted, started, ended = (np.array(x) for x in ([0.5, 2.5, 0.1], [0.8, 2.5, nan], [2.0, 4.0, nan]))
-    idle = tvs.generator_idle([(3.0, 4.0), (1.0, 2.0)], admitted, started, ended, 0.0, 5.0)
+    idle = analysis.generator_idle([(3.0, 4.0), (1.0, 2.0)], admitted, started, ended, 0.0, 5.0)
     assert idle["gaps"] == 3 and idle["idle_s"] == pytest.approx(3.0)
     assert idle["admitted_not_started_s"] == pytest.approx(0.3)  # a: 0.5-0.8
     assert idle["started_not_running_s"] == pytest.approx(0.2 + 0.5)  # a: 0.8-1, b: 2.5-3
     assert idle["nothing_admitted_s"] == pytest.approx(0.5 + 0.5 + 1.0)  # 0-0.5, 2-2.5, 4-5
     # busy throughout: nothing idle
-    assert tvs.generator_idle([(0.0, 5.0)], admitted, started, ended, 0.0, 5.0)["idle_s"] == 0.0
+    assert analysis.generator_idle([(0.0, 5.0)], admitted, started, ended, 0.0, 5.0)["idle_s"] == 0.0
 
 
 def test_mean_depth_is_groups_held_per_second_of_holding_any() -> None:
-    tvs = load("throughput_vs_staleness")
+    analysis = load_part("analysis")
     nan = float("nan")
     # in the window 0-10: a holds 1-5, b 3-5, c 8-9 (and before the window), d never generated
     started, ended = np.array([1.0, 3.0, -2.0, nan]), np.array([5.0, 5.0, 9.0, nan])
     # held: 4 + 2 + 9 group-seconds (c clipped to 0-9); some group was held during 0-9 (c spans
     # a and b), 9 s
-    assert tvs.mean_depth(started, ended, 0.0, 10.0) == pytest.approx((4 + 2 + 9) / 9)
+    assert analysis.mean_depth(started, ended, 0.0, 10.0) == pytest.approx((4 + 2 + 9) / 9)
     # without c: 6 group-seconds over 4 s held
-    assert tvs.mean_depth(started[:2], ended[:2], 0.0, 10.0) == pytest.approx(6 / 4)
-    assert tvs.mean_depth(started[3:], ended[3:], 0.0, 10.0) is None
+    assert analysis.mean_depth(started[:2], ended[:2], 0.0, 10.0) == pytest.approx(6 / 4)
+    assert analysis.mean_depth(started[3:], ended[3:], 0.0, 10.0) is None
 
 
 def test_full_weight_sweep_reports_the_drain(tmp_path: Path) -> None:
@@ -198,6 +202,7 @@ class StandInVLLM:
                                    seed=seed, name=name)
         self.name, self.busy, self.max_loras = name, self.sim.busy, max_staleness + 2
         self.graph_batch_max = 0  # no CUDA graphs in a stand-in
+        self.max_context = cfg.max_model_len
         self.adapters: dict[str, str | None] = {}  # name -> directory
         self.closed = 0
         StandInVLLM.instances.append(self)
@@ -322,18 +327,19 @@ def test_vllm_sweep_shares_one_engine_and_leaves_it_clean(tmp_path: Path, model_
 
 def test_replay_trainer_publishes_the_templates_files_as_every_version(tmp_path: Path) -> None:
     from pipeline.adapter_store import MANIFEST, AdapterStore
+    from pipeline.types import Batch
 
-    tvs = load("throughput_vs_staleness")
+    workloads = load_part("workloads")
     template = tmp_path / "v3"
     template.mkdir()
     (template / "adapter_config.json").write_text('{"r": 16}')
     (template / "adapter_model.safetensors").write_bytes(bytes(range(256)) * 64)
     (template / MANIFEST).write_text("{}")  # the template's own manifest is the store's, not copied
-    trainer = tvs.ReplayTrainer(0.0, template)
+    trainer = workloads.ReplayTrainer(0.0, template)
     store = AdapterStore(tmp_path / "store")
     refs = []
     for step in (1, 2):
-        stats = trainer.step(tvs.Batch(step=step, version=trainer.version, groups=()))
+        stats = trainer.step(Batch(step=step, version=trainer.version, groups=()))
         refs.append(store.publish(stats.version, trainer.save_adapter))
     assert [r.version for r in refs] == [1, 2]
     for ref in refs:

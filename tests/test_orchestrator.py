@@ -17,6 +17,7 @@ from pipeline.config_io import load_config
 from pipeline.errors import ConfigError
 from pipeline.metrics import read_jsonl
 from pipeline.orchestrator import Pipeline
+from pipeline.prompts import PromptBuilder
 from pipeline.rollout_log import read_rollouts
 from pipeline.versions import settled as _settled
 
@@ -262,7 +263,7 @@ def test_numpy_token_ids_become_ints_and_fractional_ones_are_refused(tmp_path):
     prompts.append({"id": "frac", "prompt": "", "token_ids": [1.5, 2.0], "label": 0})
     p, summary = run(sim_config(tmp_path, steps=4), prompts=prompts)
     assert summary["steps"] == 4 and summary["prompts_refused"] >= 1
-    prompt = p._to_prompt(prompts[0])
+    prompt = p.admitter.builder.build(prompts[0])
     assert prompt.token_ids == (1, 2, 3) and all(type(t) is int for t in prompt.token_ids)
     events = [json.loads(x) for x in (p.run_dir / "events.jsonl").read_text().splitlines()]
     assert any("'frac': token_ids must be integers" in e.get("reason", "") for e in events
@@ -283,14 +284,14 @@ class CountingTokenizer:
         return ["x" * len(x) for x in ids]
 
 
-def test_each_item_becomes_a_prompt_once_however_often_the_stream_draws_it(tmp_path):
+def test_each_item_becomes_a_prompt_once_however_often_the_stream_draws_it(tmp_path, monkeypatch):
     items = [{"id": f"t{i}", "prompt": f"text {i}", "label": i} for i in range(4)]
     tok = CountingTokenizer()
     p = Pipeline(sim_config(tmp_path, steps=12, B=2), prompts=items, reward=length_reward, tokenizer=tok,
                  console=False)
     converted: list[str] = []
-    to_prompt = p._to_prompt
-    p._to_prompt = lambda item: converted.append(item["id"]) or to_prompt(item)
+    build = PromptBuilder.build
+    monkeypatch.setattr(PromptBuilder, "build", lambda self, item: converted.append(item["id"]) or build(self, item))
     summary = p.run_sync()
     assert summary["steps"] == 12 and summary["groups_started"] >= 24  # six passes over the four items
     assert sorted(converted) == ["t0", "t1", "t2", "t3"]
@@ -302,7 +303,7 @@ def test_each_item_becomes_a_prompt_once_however_often_the_stream_draws_it(tmp_p
 def test_a_large_wave_is_decoded_off_the_event_loop(tmp_path, monkeypatch):
     import threading
 
-    import pipeline.orchestrator as orch
+    import pipeline.scoring as scoring
 
     class ThreadTokenizer(CountingTokenizer):
         def __init__(self) -> None:
@@ -320,7 +321,7 @@ def test_a_large_wave_is_decoded_off_the_event_loop(tmp_path, monkeypatch):
         return [float(len(c)) for c in completions]
 
     items = [{"id": f"t{i}", "prompt": f"text {i}", "label": i} for i in range(4)]
-    monkeypatch.setattr(orch, "DECODE_OFF_LOOP_TOKENS", 1)  # every wave counts as large
+    monkeypatch.setattr(scoring, "DECODE_OFF_LOOP_TOKENS", 1)  # every wave counts as large
     tok = ThreadTokenizer()
     p = Pipeline(sim_config(tmp_path, steps=3, B=2), prompts=items, reward=text_reward, tokenizer=tok, console=False)
     loop_thread = threading.get_ident()  # run_sync runs the loop on this thread

@@ -1,0 +1,102 @@
+"""The process settings a run changes while it runs: torch threads, the GIL switch interval, the
+garbage collector and the signal handlers; every one of them is restored when the run ends.
+
+Invariants:
+- `restore()` puts back exactly what `enter()` (and `share_cpu()`) changed, and only that; it is
+  safe to call after a partial enter, and more than once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import sys
+from typing import Callable
+
+from pipeline.config import RunConfig
+
+
+def quiet_gc(threshold: int) -> tuple[int, ...]:
+    """The collector as a run sets it: what exists now is frozen out of it, and a young pass comes
+    every `threshold` allocations. Returns the thresholds before, for `restore_gc`.
+
+    Each group allocates thousands of small acyclic objects (token lists, completions); a
+    young-generation pass every 700 allocations, and full passes over everything set-up built
+    (the model, the tokenizer), cost the overhead benchmark 15-40 us a group."""
+    before = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(threshold, *before[1:])
+    return before
+
+
+def restore_gc(before: tuple[int, ...]) -> None:
+    """Undo `quiet_gc`: its thresholds back, and the frozen objects collectable again."""
+    gc.set_threshold(*before)
+    gc.unfreeze()
+
+
+class Runtime:
+    """What one run changed in its process, to be put back."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self._threads_before: int | None = None  # torch threads
+        self._switch_before: float | None = None  # the GIL switch interval
+        self._gc_before: tuple[int, ...] | None = None  # the collector's thresholds
+        self._signals: list[signal.Signals] = []
+
+    def share_cpu(self) -> None:
+        """Engine and trainer both computing on the CPU: give each half the cores.
+
+        Two torch threads that each run a full-width OpenMP team oversubscribe the cores, and
+        the spinning teams slowed the tiny model's decoding by up to 100x on a 2-core machine.
+        Also at max_staleness 0, where they take turns: the tiny model's ops are too small for
+        a second thread to pay (vs_trl on 2 cores: 207 samples/s with both, 354 with half).
+        """
+        cfg = self.cfg
+        if cfg.trainer.device == "cpu" and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \
+                and "cpu" in cfg.engine.devices:
+            import torch
+
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+
+    def enter(self, on_signal: Callable[[signal.Signals], None] | None) -> None:
+        """The run's settings: signal handlers (if `on_signal`), switch interval and collector."""
+        pc = self.cfg.pipeline
+        if on_signal is not None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, on_signal, sig)
+                self._signals.append(sig)
+        if pc.switch_interval_ms:
+            # a worker thread holding the GIL (the engine's Python glue, a zarr flush) keeps the
+            # loop waiting up to this long; Python's 5 ms default was the loop's lag on 2 cores
+            self._switch_before = sys.getswitchinterval()
+            sys.setswitchinterval(pc.switch_interval_ms / 1000)
+        if pc.gc_threshold:
+            self._gc_before = quiet_gc(pc.gc_threshold)
+
+    def remove_signal_handlers(self) -> None:
+        """Signals act as usual again (shutdown is under way: a second Ctrl-C interrupts it)."""
+        if self._signals:
+            loop = asyncio.get_running_loop()
+            for sig in self._signals:
+                loop.remove_signal_handler(sig)
+            self._signals = []
+
+    def restore(self) -> None:
+        """Threads, switch interval and collector as they were before the run."""
+        if self._threads_before is not None:
+            import torch
+
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+        if self._switch_before is not None:
+            sys.setswitchinterval(self._switch_before)
+            self._switch_before = None
+        if self._gc_before is not None:
+            restore_gc(self._gc_before)
+            self._gc_before = None

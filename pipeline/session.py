@@ -1,0 +1,129 @@
+"""A session of a run: a fresh start, or a resume from the newest checkpoint with everything after it cut.
+
+Invariants:
+- A resume continues only a run trained the same way (trainer.update) on the same prompts in the
+  same order with the same reward functions (the checkpoint's fingerprint), unless forced.
+- What happened after the checkpoint is redone: the RolloutLog is cut to the rows it covers,
+  adapter versions after its own are discarded, metrics.jsonl keeps the step rows up to it and
+  the evaluation rounds it covers; every id it did not see settled is queued again (the Ledger).
+- The run's config.toml is written only once these checks have passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from pipeline.adapter_store import AdapterStore
+from pipeline.checkpoint import CheckpointStore
+from pipeline.config import RunConfig
+from pipeline.config_io import dump_toml
+from pipeline.errors import ConfigError
+from pipeline.ledger import Ledger
+from pipeline.metrics import read_jsonl
+from pipeline.outcomes import FLUSH_GROUPS
+from pipeline.rollout_log import RolloutLog
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Session:
+    """Where this session starts, and the stores it continues."""
+
+    checkpoint: Any  # the checkpoint resumed from, or None
+    start_step: int
+    start_version: int
+    wall0: float  # wall seconds of earlier sessions
+    ledger: Ledger
+    checkpoints: CheckpointStore
+    store: AdapterStore
+    rollout_log: RolloutLog
+    step_rows: list[dict[str, Any]]  # metrics rows kept from earlier sessions
+    eval_rows: list[dict[str, Any]]
+    eval_done: set[int]  # evaluation rounds the checkpoint covers
+
+
+def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fingerprint: dict[str, Any],
+                 total: int | None, model_path: str | None, write_config: Callable[[], None]) -> Session:
+    """Start the run in `run_dir`, or resume it from its newest checkpoint (ConfigError if it cannot)."""
+    pc = cfg.pipeline
+    checkpoints = CheckpointStore(run_dir / "checkpoints", keep=pc.keep_checkpoints)
+    ck = checkpoints.latest() if resume else None
+    start_step = ck.step if ck else 0
+    trained_with = ck.state.get("update", "lora") if ck is not None else cfg.trainer.update
+    if trained_with != cfg.trainer.update:
+        raise ConfigError(f"the run in {run_dir} was trained with trainer.update = {trained_with!r}; "
+                          f"it cannot continue with {cfg.trainer.update!r} "
+                          "(its checkpoints and published versions are of the other kind)")
+    if start_step >= pc.steps:
+        raise ConfigError(f"the run in {run_dir} is checkpointed at step {start_step} and "
+                          f"pipeline.steps is {pc.steps}; raise it (--steps N) to train further")
+    if ck is not None:
+        check_resumed_inputs(ck, fingerprint, run_dir, force)
+    if resume:  # accepted: from here on the run continues with this config
+        write_config()
+    eval_done: set[int] = set(ck.state.get("eval_done", ())) if ck else set()
+    store = AdapterStore(cfg.store.root or run_dir / "adapters", base_model=str(model_path or ""),
+                         keep_last=cfg.store.keep_last, kind=cfg.trainer.update)
+    rollout_log = RolloutLog(run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)}, flush_every=8 * FLUSH_GROUPS)
+    session = Session(checkpoint=ck, start_step=start_step, start_version=int(ck.state["version"]) if ck else 0,
+                      wall0=float(ck.state.get("wall_s", 0.0)) if ck else 0.0,
+                      ledger=Ledger.from_snapshot(ck.state["ledger"], total) if ck else Ledger(total),
+                      checkpoints=checkpoints, store=store, rollout_log=rollout_log, step_rows=[], eval_rows=[],
+                      eval_done=eval_done)
+    if resume:
+        # what happened after the checkpoint is redone: cut it from the log, the store and the metrics
+        rollout_log.truncate(int(ck.state["log_rows"]) if ck else 0)
+        store.discard_after(max(0, session.start_version - 1))
+        kept = keep_metrics(run_dir / "metrics.jsonl", start_step, eval_done)
+        session.step_rows = [r for r in kept if "eval/groups" not in r]
+        session.eval_rows = [r for r in kept if "eval/groups" in r]
+        log.info("run_resumed", run_dir=str(run_dir), step=start_step, version=session.start_version,
+                 requeued=session.ledger.queued, cursor=session.ledger.cursor)
+    return session
+
+
+def check_resumed_inputs(ck: Any, fingerprint: dict[str, Any], run_dir: Path, force: bool) -> None:
+    """The checkpoint was trained on these prompts (same items, same order) and reward functions;
+    ConfigError naming what changed, unless `force` (then a warning). A checkpoint written before
+    fingerprints were resumes unchecked, with a warning."""
+    old = ck.state.get("fingerprint")
+    if old is None:
+        log.warning("resume_unchecked", checkpoint=str(ck.path),
+                    reason="the checkpoint predates data and reward fingerprints")
+        return
+    changed: dict[str, str] = {}
+    was, now = old["data"], fingerprint["data"]
+    if (was["sha256"], was["items"]) != (now["sha256"], now["items"]):
+        changed["data"] = (f"other prompts than the checkpoint's ({now['items']} items, sha256 "
+                           f"{now['sha256'][:12]}, against {was['items']} items, sha256 {was['sha256'][:12]})")
+    elif (was["seed"], was["shuffle"]) != (now["seed"], now["shuffle"]):
+        changed["data"] = (f"the prompts in another order (seed {was['seed']} -> {now['seed']}, "
+                           f"shuffle {was['shuffle']} -> {now['shuffle']})")
+    if old["reward"] != fingerprint["reward"]:
+        changed["reward"] = f"reward functions {old['reward']} -> {fingerprint['reward']}"
+    if not changed:
+        return
+    if force:
+        log.warning("resume_forced", checkpoint=str(ck.path), changed=sorted(changed), **changed)
+        return
+    raise ConfigError(f"the run in {run_dir} cannot resume with {'; and '.join(changed.values())}: a "
+                      f"group id would name another prompt or score; pass --force-resume "
+                      f"(Pipeline(force_resume=True)) to continue anyway")
+
+
+def keep_metrics(path: Path, step: int, eval_done: set[int]) -> list[dict[str, Any]]:
+    """Rewrite metrics.jsonl with the step rows of steps <= `step` and the eval rows of the rounds
+    in `eval_done` only; return them."""
+    rows = [r for r in read_jsonl(path) if r.get("step", 0) <= step
+            and ("eval/groups" not in r or r["step"] in eval_done)] if path.exists() else []
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+    return rows
