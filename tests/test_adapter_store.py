@@ -17,14 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 from safetensors.numpy import save_file
 
 from pipeline import adapter_store
 from pipeline.adapter_store import AdapterStore, content_hash
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, StoreError
 from pipeline.types import AdapterRef
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def writer(value: float = 0.0, extra: dict[str, bytes] | None = None, config: bool = True):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import load_config
+from pipeline.config_io import load_config
 from pipeline.data import load_rows
 from pipeline.errors import ConfigError
 

@@ -10,9 +10,10 @@ from math import comb
 
 import numpy as np
 import pytest
+from conftest import sim_config
 from hypothesis import given
 from hypothesis import strategies as st
-from test_orchestrator import PROMPTS, length_reward, sim_config
+from test_orchestrator import PROMPTS, length_reward
 
 from pipeline.config import SimulatedEngineConfig
 from pipeline.engines.simulated import SimulatedEngine

@@ -8,11 +8,13 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import conftest
 import numpy as np
 import pytest
+from conftest import assert_accounted
 
 from pipeline.checkpoint import CheckpointStore
-from pipeline.config import SimulatedEngineConfig, load_config
+from pipeline.config import SimulatedEngineConfig
 from pipeline.engines.simulated import SimulatedEngine
 from pipeline.errors import AdapterCorruptError, AdapterError, EngineDeadError, TrainerError
 from pipeline.metrics import read_jsonl
@@ -28,24 +30,14 @@ def reward(prompts, completions, completion_ids, **kw):
 
 
 def sim_config(tmp_path: Path, **overrides):
-    o = {"out": str(tmp_path / "run"), "engine.kind": "simulated", "trainer.kind": "simulated",
-         "pipeline.steps": 20, "pipeline.batch_groups": 4, "pipeline.max_staleness": 1, "sampling.n": 2,
-         "engine.simulated.completion_tokens": 4, "engine.simulated.latency_s": 0.002, "log.progress": False,
-         "engine.retry_backoff_s": 0.001}
-    o.update(overrides)
-    return load_config(None, o)
+    """conftest's simulated run as the fault tests take it: 20 steps of 4 groups, a 2 ms engine, quick retries."""
+    return conftest.sim_config(tmp_path, B=4, steps=20, latency=0.002,
+                               **{"engine.retry_backoff_s": 0.001, **overrides})
 
 
 def run(cfg, **kw) -> tuple[Pipeline, dict]:
     p = Pipeline(cfg, prompts=PROMPTS, reward=reward, tokenizer=False, console=False, **kw)
     return p, p.run_sync()
-
-
-def assert_accounted(p: Pipeline, summary: dict) -> None:
-    assert summary["accounting_ok"], summary
-    r = read_rollouts(p.run_dir / "rollouts.zarr")
-    ids = r.groups["group_id"].tolist()
-    assert len(ids) == len(set(ids)) == summary["groups_started"]
 
 
 def test_injected_failures_and_hangs_are_retried_and_counted(tmp_path: Path) -> None:

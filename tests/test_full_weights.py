@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_orchestrator import PROMPTS, assert_accounted, run, sim_config
+from conftest import assert_accounted, sim_config
+from test_orchestrator import PROMPTS, run
 
 from pipeline.errors import ConfigError
 from pipeline.metrics import read_jsonl

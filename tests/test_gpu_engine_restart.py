@@ -13,10 +13,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from test_crash_resume import check_finished_run
+from conftest import check_finished_run
 from test_engine_contract import VLLM_WARNING_FILTERS, vllm_unavailable
 
-from pipeline.config import load_config
+from pipeline.config_io import load_config
 from pipeline.metrics import read_jsonl
 from pipeline.orchestrator import Pipeline
 

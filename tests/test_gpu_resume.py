@@ -7,21 +7,17 @@ cuda:1; with one they share it.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from test_crash_resume import check_finished_run, wait_for_steps
+from conftest import check_finished_run, run_py, start_run_py, wait_for_steps
 from test_engine_contract import VLLM_WARNING_FILTERS, vllm_unavailable
 
 from pipeline.metrics import read_jsonl
 
 pytestmark = [pytest.mark.gpu, *VLLM_WARNING_FILTERS]
 
-ROOT = Path(__file__).resolve().parent.parent
 B, STEPS, K = 8, 6, 1
 
 
@@ -67,9 +63,7 @@ def test_sigterm_then_resume_on_gpus_trains_every_prompt_once(tmp_path: Path) ->
     cfg = tmp_path / "gpu.toml"
     cfg.write_text(_config(tmp_path / "models", "cuda:1" if two else "cuda:0", 0.4 if two else 0.3))
     out = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k != "PIPELINE_CRASH_AT"}
-    proc = subprocess.Popen([sys.executable, "run.py", "--config", str(cfg), "--out", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_run_py("--config", str(cfg), "--out", str(out))
     wait_for_steps(proc, out, 3, limit_s=400)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
@@ -78,8 +72,7 @@ def test_sigterm_then_resume_on_gpus_trains_every_prompt_once(tmp_path: Path) ->
     assert first["stopped_by"] == "SIGTERM" and first["accounting_ok"], first
     assert 3 <= first["checkpoint_step"] < STEPS
 
-    resumed = subprocess.run([sys.executable, "run.py", "--resume", str(out)], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=600)
+    resumed = run_py("--resume", str(out), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     s = check_finished_run(out, b=B, steps=STEPS, k=K)
     assert s["resumed_from_step"] == first["checkpoint_step"], s

@@ -32,19 +32,14 @@ VOCAB = 320  # the tiny model's: 256 bytes + 3 special tokens, rounded up to a m
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return models.build_model("tiny", tmp_path_factory.mktemp("models"))
+def tiny_model(model_dir: Path) -> torch.nn.Module:
+    return models.load_causal_lm(model_dir, "cpu", "float32")
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tiny_dir: Path) -> torch.nn.Module:
-    return models.load_causal_lm(tiny_dir, "cpu", "float32")
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_dir: Path) -> PreTrainedTokenizerBase:
+def loaded(model_dir: Path) -> PreTrainedTokenizerBase:
     """The tokenizer as the pipeline loads it (orchestrator `_setup`)."""
-    return AutoTokenizer.from_pretrained(str(tiny_dir), trust_remote_code=False)
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
 
 
 @pytest.fixture(scope="module")

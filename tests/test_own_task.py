@@ -4,29 +4,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO, run_py
 
 from pipeline.metrics import read_jsonl
 from pipeline.rollout_log import read_rollouts
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "own_task"
-
-
-def _run_py(*args: str, cwd: Path = REPO, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(REPO / "run.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.mark.slow
 def test_the_own_task_example_runs_from_run_py_with_chat_prompts_and_eval(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _run_py("--config", str(EXAMPLE / "config.toml"), "--steps", "6", "--out", str(out),
-                   "--set", "eval.every=3", "--set", f"model.cache_dir={tmp_path / 'models'}", "--set", "log.progress=false")
+    proc = run_py("--config", str(EXAMPLE / "config.toml"), "--steps", "6", "--out", str(out),
+                  "--set", "eval.every=3", "--set", f"model.cache_dir={tmp_path / 'models'}", "--set", "log.progress=false",
+                  timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and summary["prompts_refused"] == 0  # chat rows rendered, none refused
@@ -52,8 +46,9 @@ def test_the_own_task_example_runs_from_run_py_with_chat_prompts_and_eval(tmp_pa
 def test_a_reward_entry_that_fails_to_import_exits_2_before_anything_is_written(tmp_path: Path) -> None:
     (tmp_path / "r.py").write_text("import not_a_module_anywhere\n")
     out = tmp_path / "run"
-    proc = _run_py("--config", str(EXAMPLE / "config.toml"), "--out", str(out),
-                   "--set", f'reward.functions=["{tmp_path / "r.py"}:correct"]', "--set", "reward.weights=[]")
+    proc = run_py("--config", str(EXAMPLE / "config.toml"), "--out", str(out),
+                  "--set", f'reward.functions=["{tmp_path / "r.py"}:correct"]', "--set", "reward.weights=[]",
+                  timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: reward.functions[0] entry") and "ModuleNotFoundError" in proc.stderr
     assert not out.exists()
@@ -62,14 +57,14 @@ def test_a_reward_entry_that_fails_to_import_exits_2_before_anything_is_written(
 def test_a_data_file_that_is_not_a_data_set_exits_2_naming_it(tmp_path: Path) -> None:
     bad = tmp_path / "train.jsonl"
     bad.write_text("this is not json\n")
-    proc = _run_py("--config", str(EXAMPLE / "config.toml"), "--out", str(tmp_path / "run"),
-                   "--set", f"data.train={bad}", "--set", f"model.cache_dir={tmp_path / 'models'}")
+    proc = run_py("--config", str(EXAMPLE / "config.toml"), "--out", str(tmp_path / "run"),
+                  "--set", f"data.train={bad}", "--set", f"model.cache_dir={tmp_path / 'models'}", timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert "data.train" in proc.stderr and "train.jsonl" in proc.stderr and "cannot be read" in proc.stderr
 
 
 def test_message_rows_without_a_chat_template_end_the_run_naming_the_reason(tmp_path: Path) -> None:
-    from pipeline.config import load_config
+    from pipeline.config_io import load_config
     from pipeline.errors import ConfigError
     from pipeline.models import build_tokenizer
     from pipeline.orchestrator import Pipeline

@@ -8,12 +8,10 @@ cuda:1; with one they share it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import keep_result, run_py
 from test_engine_contract import VLLM_WARNING_FILTERS, vllm_unavailable
 
 from pipeline.metrics import read_jsonl
@@ -21,7 +19,6 @@ from pipeline.rollout_log import read_rollouts
 
 pytestmark = [pytest.mark.gpu, *VLLM_WARNING_FILTERS]
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 20
 
 
@@ -40,12 +37,11 @@ def test_own_task_runs_on_vllm_with_chat_prompts_and_eval(tmp_path: Path) -> Non
         "trainer.lr": 1e-3, "eval.every": 10, "log.trackers": '["tensorboard"]', "log.progress": "false",
         "pipeline.logprob_check_every": 10,
     }
-    args = [sys.executable, "run.py", "--config", "examples/own_task/config.toml", "--steps", str(STEPS),
-            "--out", str(out)]
+    args = ["--config", "examples/own_task/config.toml", "--steps", str(STEPS), "--out", str(out)]
     for k, v in sets.items():
         args += ["--set", f"{k}={v}"]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ)
-    (Path(os.environ.get("OUT", tmp_path)) / "own_task_gpu_stderr.txt").write_text(proc.stderr[-20000:])
+    proc = run_py(*args, timeout=900)
+    keep_result("own_task_gpu_stderr.txt", proc.stderr[-20000:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and summary["prompts_refused"] == 0, summary
@@ -72,4 +68,4 @@ def test_own_task_runs_on_vllm_with_chat_prompts_and_eval(tmp_path: Path) -> Non
     assert {"reward_mean", "reward/correct", "eval/pass@1", "eval/pass@8"} <= set(acc.Tags()["scalars"])
     result = {"steps": steps[-1], "evals": evals, "summary": {k: summary[k] for k in (
         "wall_s", "setup_s", "groups_trained", "eval_groups_logged", "busy_generator", "busy_trainer")}}
-    (Path(os.environ.get("OUT", tmp_path)) / "own_task_gpu.json").write_text(json.dumps(result, indent=1))
+    keep_result("own_task_gpu.json", result)

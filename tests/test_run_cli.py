@@ -7,7 +7,6 @@ wrong" run run.py for real, with the simulated engine and trainer (a few seconds
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,16 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import REPO, load_script, run_py
 
-REPO = Path(__file__).resolve().parents[1]
 # run.py is a script at the repository root, not part of the package: load it by path
-_spec = importlib.util.spec_from_file_location("run_cli", REPO / "run.py")
-run = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(run)
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+run = load_script(REPO / "run.py", "run_cli")
 
 
 def _assert_one_error_line(stderr: str, *named: str) -> None:
@@ -61,7 +54,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
 ])
 def test_bad_input_is_one_error_line_naming_the_field_and_exit_code_2(files: Path, args: list[str],
                                                                        named: list[str]) -> None:
-    proc = _cli(*(a.format(d=files) for a in args))
+    proc = run_py(*(a.format(d=files) for a in args), timeout=60)
     assert proc.returncode == 2, proc
     assert proc.stdout == ""
     _assert_one_error_line(proc.stderr, *named)
@@ -112,7 +105,7 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> type[_Recorder]:
 
 
 def _write_run_dir(path: Path) -> Path:
-    from pipeline.config import dump_toml, load_config
+    from pipeline.config_io import dump_toml, load_config
 
     path.mkdir()
     cfg = load_config(None, {"out": "/where/it/was/first", "pipeline.steps": 4, "engine.kind": "simulated",
@@ -173,8 +166,7 @@ _SIM = ("--set", "engine.kind=simulated", "--set", "trainer.kind=simulated", "--
 
 
 def _sim_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "run.py", *_SIM, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_py(*_SIM, *args, timeout=timeout)
 
 
 def _events(run_dir: Path) -> list[dict[str, Any]]:

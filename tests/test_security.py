@@ -18,14 +18,13 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from conftest import REPO
 from safetensors.numpy import save_file
 
 from pipeline import adapter_store
 from pipeline.adapter_store import PICKLE_SUFFIXES, AdapterStore, content_hash
 from pipeline.config import ModelConfig
 from pipeline.errors import AdapterCorruptError, AdapterError, AdapterNotFoundError, StoreError
-
-REPO = Path(__file__).resolve().parents[1]
 
 Rule = Callable[[ast.AST], "list[str]"]
 

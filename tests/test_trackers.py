@@ -14,15 +14,15 @@ from typing import Any, Mapping
 
 import numpy as np
 import pytest
+from conftest import REPO, load_script, sim_config
 from structlog.testing import capture_logs
 
-from pipeline.config import dump_toml, load_config
+from pipeline.config_io import dump_toml, load_config
 from pipeline.errors import ConfigError
 from pipeline.metrics import read_jsonl
 from pipeline.orchestrator import Pipeline
 from pipeline.trackers import Trackers, scalars, wandb_mode
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [{"id": f"p{i}", "prompt": f"prompt {i}", "token_ids": [1 + i % 50, 2, 3]} for i in range(16)]
 
 
@@ -31,12 +31,7 @@ def length_reward(prompts, completions, completion_ids, **kw):
 
 
 def run_with_trackers(tmp_path: Path, trackers: list[str], steps: int = 4, eval_every: int = 0) -> Path:
-    cfg = load_config(None, {
-        "out": str(tmp_path / "run"), "engine.kind": "simulated", "trainer.kind": "simulated",
-        "pipeline.steps": steps, "pipeline.batch_groups": 2, "pipeline.max_staleness": 1, "sampling.n": 2,
-        "engine.simulated.completion_tokens": 4, "log.progress": False, "log.trackers": trackers,
-        "eval.every": eval_every,
-    })
+    cfg = sim_config(tmp_path, steps=steps, **{"log.trackers": trackers, "eval.every": eval_every})
     p = Pipeline(cfg, prompts=PROMPTS, reward=length_reward, tokenizer=False, console=False,
                  eval_prompts=PROMPTS[:3] if eval_every else None)
     summary = p.run_sync()
@@ -259,9 +254,7 @@ def test_bad_trackers_are_refused_naming_the_field(trackers: list[str], message:
 def test_run_py_exits_2_naming_the_extra_before_writing_anything(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     # run.py is a script at the repository root, not part of the package: load it by path
-    spec = importlib.util.spec_from_file_location("run_cli_trackers", REPO / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    run = load_script(REPO / "run.py", "run_cli_trackers")
     _hide(monkeypatch, "wandb")
     out = tmp_path / "run"
     assert run.main(["--out", str(out), "--set", 'log.trackers=["tensorboard", "wandb"]']) == 2
@@ -273,7 +266,7 @@ def test_run_py_exits_2_naming_the_extra_before_writing_anything(tmp_path: Path,
 
 def test_choosing_trackers_imports_none_of_their_packages() -> None:
     # the check is find_spec's: importing torch, TensorBoard or wandb costs seconds before any error is said
-    code = ("import importlib.util, sys; from pipeline.config import load_config; import pipeline.trackers; "
+    code = ("import importlib.util, sys; from pipeline.config_io import load_config; import pipeline.trackers; "
             "names = [n for n in ('tensorboard', 'wandb') if importlib.util.find_spec(n)]; "
             "assert 'tensorboard' in names; load_config(None, {'log.trackers': names}); "
             "print(sorted(m for m in ('torch', 'tensorboard', 'wandb') if m in sys.modules))")

@@ -185,7 +185,7 @@ def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env,
     Every check (each second step) recomputes the trainer's log-probs of groups under the version
     that sampled them; if the engine had kept older weights, they would disagree more and more.
     """
-    from pipeline.config import load_config
+    from pipeline.config_io import load_config
     from pipeline.orchestrator import Pipeline
 
     steps = 8

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_engine_contract import VLLM_MEAN_ABS_DLOGPROB, VLLM_WARNING_FILTERS, VLLMServeProcess, vllm_unavailable
 
-from pipeline.config import load_config
+from pipeline.config_io import load_config
 from pipeline.metrics import read_jsonl
 from pipeline.orchestrator import Pipeline
 from pipeline.rollout_log import read_rollouts
