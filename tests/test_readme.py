@@ -1,4 +1,5 @@
-"""README's promises that code can check: the embedding example runs, the test command is CI's."""
+"""What README.md and docs/ promise that code can check: the embedding example runs, the test command
+is CI's, the config reference is current, and every relative link points at something."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+CONFIGURATION = ROOT / "docs" / "configuration.md"
 
 
 def test_the_embedding_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
@@ -56,6 +58,34 @@ def test_readme_test_command_is_what_ci_runs() -> None:
 
 
 def test_the_config_reference_is_current() -> None:
-    from pipeline.config import reference_markdown
+    from pipeline.config_io import reference_markdown
 
-    assert reference_markdown().strip() in README
+    # the page is a short intro followed by exactly what `python -m pipeline.config` prints
+    assert CONFIGURATION.read_text(encoding="utf-8").rstrip().endswith(reference_markdown().strip()), (
+        "docs/configuration.md is stale: replace its tables with the output of `python -m pipeline.config`")
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _without_code_blocks(text: str) -> str:
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))])
+def test_relative_links_point_at_something(page: str) -> None:
+    path = ROOT / page
+    text = _without_code_blocks(path.read_text(encoding="utf-8"))
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links or page == "docs/configuration.md"  # only the generated reference links nowhere
+    for link in links:
+        if re.match(r"[a-z]+:", link):  # http:, https:, mailto: are not checked offline
+            continue
+        target, _, anchor = link.partition("#")
+        dest = (path.parent / target).resolve() if target else path
+        assert dest.exists(), f"{page}: link {link!r} points at nothing"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", _without_code_blocks(dest.read_text(encoding="utf-8")), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"{page}: no heading for #{anchor} in {target or page}"
