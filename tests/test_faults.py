@@ -245,3 +245,25 @@ def test_soak_10000_groups_memory_flat_buffer_bounded_nothing_leaked(tmp_path: P
     fds_after = _open_files()
     assert len(fds_after) <= len(fds_before), f"file handles leaked: {sorted(fds_after)} against {sorted(fds_before)} before"
     assert np.isfinite(s["groups_per_s"])
+
+
+class BuggyEngine(SimulatedEngine):
+    """An engine with a programming error: its calls raise TypeError, which no retry can cure."""
+
+    asked: list[int] = []
+
+    async def generate_many(self, requests, adapter):
+        self.asked.extend(r.group_id for r in requests)
+        raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+
+
+def test_a_bug_inside_an_engine_call_ends_the_run_and_is_not_retried(tmp_path: Path) -> None:
+    engine = BuggyEngine(SimulatedEngineConfig(completion_tokens=4), name="buggy")
+    engine.asked = []
+    cfg = conftest.sim_config(tmp_path, **{"engine.retries": 3})
+    p = Pipeline(cfg, prompts=PROMPTS, reward=reward, tokenizer=False, console=False, engines=[engine])
+    with pytest.raises(TypeError, match="unsupported operand"):
+        p.run_sync()
+    # no group asked for twice: a TypeError is a bug, not a failed generation to retry
+    assert engine.asked and len(engine.asked) == len(set(engine.asked))
+    assert p.summary["generation_retries"] == 0 and p.summary["accounting_ok"], p.summary
