@@ -83,10 +83,9 @@ def load_tokenizer(cfg: RunConfig, model_path: str | None) -> Any:
                           f"{type(e).__name__}: {e}") from e
 
 
-def max_context(cfg: RunConfig, model_path: str | None) -> int | None:
-    """The longest prompt + completion the engines take, as far as the config and the model tell."""
-    if cfg.engine.kind == "vllm":
-        return cfg.engine.vllm.max_model_len
+def max_context(model_path: str | None) -> int | None:
+    """The longest prompt + completion the model takes (its max_position_embeddings), if it says;
+    each engine reports its own limit besides (`Engine.max_context`)."""
     if model_path is None:
         return None
     try:

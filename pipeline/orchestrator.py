@@ -276,7 +276,7 @@ class Pipeline:
         self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path)
         await self._start_engines_and_trainer()
         # each engine reports its context once started (a vLLM server, its --max-model-len): prompts fit the smallest
-        contexts = [n for n in (build.max_context(cfg, self.model_path), *(e.max_context for e in self.engines))
+        contexts = [n for n in (build.max_context(self.model_path), *(e.max_context for e in self.engines))
                     if n is not None]
         dc = cfg.data
         builder = PromptBuilder(self.tokenizer, max_new_tokens=cfg.sampling.max_new_tokens,
