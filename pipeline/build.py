@@ -38,7 +38,7 @@ def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Seq
     from pipeline.data import load_rows
 
     task = None
-    if prompts is None and not cfg.data.train or reward is None:
+    if (prompts is None and not cfg.data.train) or reward is None:  # the built-in task gives prompts or reward
         task = build_task(cfg.task, cfg.sampling.max_new_tokens)
     if prompts is not None:
         items = list(prompts)

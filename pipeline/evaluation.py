@@ -101,7 +101,7 @@ class Evaluator:
     def __init__(self, items: Sequence[Any], *, cfg: EvalConfig, sampling: SamplingConfig, seed: int,
                  builder: PromptBuilder, generator: Generator, versions: Versions, pins: VersionPins,
                  scorer: RewardScorer, texts: Texts, outcomes: Outcomes, write_row: Callable[[dict[str, Any]], None],
-                 batch: int, done: set[int]) -> None:
+                 batch: int, done: set[int], rows: list[dict[str, Any]]) -> None:
         self.items = list(items)
         self.cfg = cfg
         self.sampling = sampling
@@ -116,7 +116,7 @@ class Evaluator:
         self._write_row = write_row  # metrics.jsonl and the trackers
         self.batch = batch  # groups per engine call: batch_groups where engines have generate_many, else 1
         self.done = done  # rounds whose rows are in the RolloutLog
-        self.rows: list[dict[str, Any]] = []  # this session's and the kept earlier ones', one per round
+        self.rows = rows  # one per round: the earlier sessions' kept ones, then this session's
         self._due: asyncio.Queue[int] = asyncio.Queue()  # steps whose policy is to be evaluated
         self._queued: set[int] = set()
         self._prompts: list[Prompt | None] | None = None  # the items as Prompts, converted once

@@ -300,9 +300,7 @@ class Pipeline:
         self.evaluator = Evaluator(eval_items, cfg=cfg.eval, sampling=cfg.sampling, seed=cfg.seed, builder=builder,
                                    generator=self.generator, versions=self.versions, pins=pins, scorer=self.scorer,
                                    texts=texts, outcomes=self.outcomes, write_row=self.reporting.write, batch=batch,
-                                   done=session.eval_done) if eval_items else None
-        if self.evaluator is not None:
-            self.evaluator.rows = self.eval_rows
+                                   done=session.eval_done, rows=self.eval_rows) if eval_items else None
         self.reporting.watch(buffer=self.buffer, rotation=self.rotation, versions=self.versions,
                              generator=self.generator, scoring=self.scoring, reward_names=self.scorer.names,
                              full_weights=cfg.trainer.update == "full")
