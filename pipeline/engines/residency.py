@@ -9,9 +9,11 @@ Invariants:
 - An adapter is resident from the moment its load begins until its unload begins. A resident
   adapter is never unloaded while a call uses it (`acquire` .. `release`): an unload asked for
   meanwhile is deferred to its last release, or, while it still loads, to the end of the load.
-- At most `bound` adapters are resident: before a load begins, the oldest idle loaded ones go
-  until the new one fits. When every one is in use the bound is exceeded (a warning) rather than
-  break a running group, and it is restored as they are released.
+- At most `bound` adapters are resident: before a load begins, those the engine's `stale` rule
+  says the new one replaces go (busy or loading ones at their last release or the end of their
+  load), then the oldest idle loaded ones until the new one fits. When every one is in use the
+  bound is exceeded (a warning) rather than break a running group, and it is restored as they
+  are released.
 - `unload` is called at the moment an adapter stops being resident, in that order, so an engine
   that submits the work at once (to a single worker thread) frees a victim before any later load.
   What it returns is awaited by `unload()` and run in the background for evictions and
@@ -58,12 +60,13 @@ class Residency(Generic[H]):
     """The adapters one engine holds: loaded on first use, kept while used, at most `bound` at once.
 
     `prepare(ref)` checks an adapter and returns its handle (raising refuses it before anything
-    is evicted); `load(resident)` and `unload(resident)` return what does the work.
+    is evicted); `load(resident)` and `unload(resident)` return what does the work;
+    `stale(resident_ref, incoming_ref)`, if given, says which adapters a new load makes useless.
     """
 
     def __init__(self, engine: str, bound: int, *, prepare: Callable[[AdapterRef], H],
                  load: Callable[[Resident[H]], Awaitable[Any]], unload: Callable[[Resident[H]], Awaitable[Any]],
-                 held_as: str = "loaded") -> None:
+                 held_as: str = "loaded", stale: Callable[[AdapterRef, AdapterRef], bool] | None = None) -> None:
         self.engine = engine
         self.bound = bound
         self.closed = False
@@ -71,6 +74,7 @@ class Residency(Generic[H]):
         self._load = load
         self._unload = unload
         self._held_as = held_as  # how error messages say the engine holds an adapter
+        self._stale = stale  # None: only the bound makes adapters go
         self._entries: dict[str, Resident[H]] = {}  # AdapterRef.name -> resident adapter
         self._order = 0
         self._background: set[asyncio.Future[Any]] = set()  # unloads nobody awaits
@@ -150,6 +154,7 @@ class Residency(Generic[H]):
 
     def _begin(self, adapter: AdapterRef) -> Resident[H]:
         handle = self._prepare(adapter)
+        self._retire_stale(adapter)
         self._evict(incoming=1)
         self._order += 1
         entry = Resident(ref=adapter, handle=handle, order=self._order)
@@ -181,6 +186,16 @@ class Residency(Generic[H]):
                 raise EngineDeadError(f"engine {self.engine} closed while loading adapter version "
                                       f"{entry.ref.version} ({entry.ref.name})") from None
             raise
+
+    def _retire_stale(self, incoming: AdapterRef) -> None:
+        """Before `incoming` loads: unload the idle loaded adapters it makes stale; mark busy or loading ones."""
+        if self._stale is None:
+            return
+        for entry in [e for e in self if self._stale(e.ref, incoming)]:
+            if entry.loaded and not entry.in_use:
+                self._drop_soon(entry)
+            else:
+                entry.unload_requested = True
 
     def _evict(self, incoming: int) -> None:
         """Unload the oldest idle loaded adapters until `incoming` more fit under the bound."""

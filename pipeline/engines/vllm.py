@@ -13,9 +13,12 @@ Invariants (beyond the Engine protocol's):
 - Every adapter is its own LoRARequest: lora_name = AdapterRef.name, an int id from a per-engine
   counter that is never reused, the directory as published. Never `load_inplace=True` (with
   vLLM 0.24.0 it generated with weights matching neither version; /work/shared/gpu/README.md).
-- An adapter with requests in flight is never removed, so a group that started on version k
-  ends on k. Loading version v removes the idle adapters older than v - max_staleness and then
-  the oldest idle ones beyond max_staleness + 1 loaded; busy ones go when their last request ends.
+- Which adapters stay is decided by a `residency.Residency` (bound: max_loras). An adapter with
+  requests in flight is never removed, so a group that started on version k ends on k. Loading
+  version v removes the idle adapters older than v - max_staleness and then the oldest idle ones
+  until at most max_loras are resident; busy ones go when their last request ends. vLLM gets a
+  removal before the add_lora it makes room for: the removal's task is created first, and
+  AsyncLLM's client sends a call to the engine core in its task's first step.
 - `max_loras` (adapters resident on the GPU at once) >= max_staleness + 1, so every version a
   running group may still use fits into one scheduler step next to the others.
 - The version is checked, not assumed: `RequestOutput.lora_request` must be the LoRARequest sent.
@@ -80,10 +83,10 @@ from pipeline.engines.base import (
     check_adapter_dir,
     check_group_request,
     check_model_dir,
-    check_same_adapter,
     held_versions,
     same_version,
 )
+from pipeline.engines.residency import Residency, Resident
 from pipeline.errors import (
     AdapterCorruptError,
     AdapterError,
@@ -126,16 +129,7 @@ class VLLMEngineStats:
     adapters_unloaded: int = 0
 
 
-@dataclass(eq=False)
-class _Adapter:
-    """One adapter as this engine holds it in vLLM."""
-
-    ref: AdapterRef
-    lora: Any  # vllm.lora.request.LoRARequest
-    order: int  # load order (the lora_int_id): smaller was loaded earlier
-    ready: asyncio.Task[None]  # the add_lora call; done (without error) once vLLM holds it
-    in_flight: int = 0  # generate calls using it (waiting for it or running)
-    unload_requested: bool = False  # remove when in_flight drops to 0
+_Lora = Resident[Any]  # one adapter as this engine holds it in vLLM; its handle is the vllm LoRARequest
 
 
 def physical_gpu(device: str) -> str:
@@ -226,10 +220,9 @@ class VLLMEngine:
         self._max_model_len = 0
         self._vocab_size = 0
         self.graph_batch_max = 0
-        self._adapters: dict[str, _Adapter] = {}  # AdapterRef.name -> adapter loaded or loading
-        self._next_lora_id = 1  # vLLM lora_int_id: > 0, never reused by this engine
+        self._next_lora_id = 1  # vLLM lora_int_id: > 0, never reused by this engine (across restarts too)
+        self._residency = self._new_residency()  # the adapters vLLM holds or is loading, for this start
         self._running: set[str] = set()  # request ids of generate calls inside vLLM now
-        self._background: set[asyncio.Task[Any]] = set()  # adapter removals under way
         self._closed = False
         self._closes = 0  # close() calls so far: a call that spans one learns the engine closed under it
         self.full_weights = full_weights
@@ -245,7 +238,7 @@ class VLLMEngine:
         """Versions of the adapters vLLM holds for this engine (base, version 0, not listed)."""
         if self.full_weights:
             return held_versions(self._weights)
-        return tuple(sorted(a.ref.version for a in self._adapters.values() if _loaded_ok(a)))
+        return tuple(sorted(r.ref.version for r in self._residency if r.loaded))
 
     @property
     def max_context(self) -> int | None:
@@ -255,7 +248,7 @@ class VLLMEngine:
     @property
     def loaded_adapters(self) -> tuple[str, ...]:
         """Names of the adapters vLLM holds for this engine, oldest first."""
-        return tuple(a.ref.name for a in sorted(self._adapters.values(), key=lambda a: a.order) if _loaded_ok(a))
+        return tuple(r.ref.name for r in self._residency if r.loaded)
 
     @property
     def unfinished_requests(self) -> int:
@@ -279,17 +272,18 @@ class VLLMEngine:
         self._check_request(request)
         self.stats.requests += 1
         closes = self._closes
-        entry: _Adapter | None = None
+        residency = self._residency  # the one this call releases into, even after a restart
+        entry: _Lora | None = None
         request_id = f"{self.name}-{request.group_id}-{uuid.uuid4().hex}"
         if self.full_weights:
             self._check_weights(request, adapter)  # nothing is awaited between this and the request's start
         try:
-            entry = None if self.full_weights else await self._acquire(adapter)
+            entry = None if self.full_weights else await residency.acquire(adapter)
             if self._closes != closes:
                 raise EngineDeadError(f"engine {self.name} closed while group {request.group_id} "
                                       "waited for its adapter")
             self._check_usable()
-            lora = entry.lora if entry is not None else None
+            lora = entry.handle if entry is not None else None
             final = await self._run(request_id, request, lora, closes)
             generation = self._generation(request, adapter, lora, final, t_start, closes)
         except asyncio.CancelledError:
@@ -299,8 +293,7 @@ class VLLMEngine:
             self.stats.failed += 1
             raise
         finally:
-            if entry is not None:
-                self._release(entry)
+            residency.release(entry)
         self.stats.tokens += generation.num_tokens
         return generation
 
@@ -309,39 +302,19 @@ class VLLMEngine:
         if self.full_weights:
             await self._load_weights(adapter)
             return
-        if adapter.version == 0:
-            return
-        entry = self._adapters.get(adapter.name) or self._begin_load(adapter)
-        self._check_same(entry, adapter)
-        entry.unload_requested = False
-        await self._wait_ready(entry)
+        await self._residency.load(adapter)
 
     async def unload_adapter(self, adapter: AdapterRef) -> None:
         if self.full_weights:
             return  # one version's weights at a time: the next load replaces them
-        entry = self._adapters.get(adapter.name)
-        if self._closed or entry is None or adapter.version == 0:
-            return
-        if entry.in_flight:
-            entry.unload_requested = True
-            return
-        if not entry.ready.done():
-            try:
-                await self._wait_ready(entry)
-            except (AdapterError, EngineDeadError):
-                return  # a failed or abandoned load leaves nothing to remove; its error went to whoever asked
-        if self._adapters.get(adapter.name) is entry and not entry.in_flight:
-            await self._remove(entry)
+        await self._residency.unload(adapter)  # after close() it does nothing
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._closes += 1
-        tasks = [*self._background, *(a.ready for a in self._adapters.values())]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._residency.close()  # loads and removals under way cancelled; shutdown frees the adapters
         if self._llm is None:
             return
         llm, self._llm = self._llm, None
@@ -396,11 +369,10 @@ class VLLMEngine:
     def _reopen(self) -> None:
         """After close(): forget what the old AsyncLLM held (it is shut down, its adapters with it)."""
         self._closed = False
-        self._adapters = {}
+        self._residency = self._new_residency()
         self._weights = AdapterRef.base()  # a new AsyncLLM starts from the base model's weights
         self._swapping = None
         self._running = set()
-        self._background = set()
         self._loop = None
 
     async def _start_locked(self) -> None:
@@ -439,6 +411,8 @@ class VLLMEngine:
             # raw == processed under the on-policy settings; raw is the path measured on our host.
             logprobs_mode="raw_logprobs" if on_policy else "processed_logprobs",
             disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused
+            # an episode's later turn repeats its history: cached blocks (per adapter) are not recomputed
+            enable_prefix_caching=True,
         )
         cuda_was_initialized = torch.cuda.is_initialized()
         t0 = time.monotonic()
@@ -625,142 +599,51 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ adapters
 
-    async def _acquire(self, adapter: AdapterRef) -> _Adapter | None:
-        """The loaded adapter for `adapter` (loading it if needed), counted as in use; None for base."""
-        if adapter.version == 0:
-            return None
-        entry = self._adapters.get(adapter.name) or self._begin_load(adapter)
-        self._check_same(entry, adapter)
-        entry.in_flight += 1
-        entry.unload_requested = False  # a new request is evidence that it is still needed
-        try:
-            await self._wait_ready(entry)
-        except BaseException:
-            self._release(entry)
-            raise
-        return entry
+    def _new_residency(self) -> Residency[Any]:
+        return Residency(self.name, self.max_loras, prepare=self._prepare, load=self._add_lora,
+                         unload=self._remove_lora, stale=self._stale)
 
-    def _release(self, entry: _Adapter) -> None:
-        """A request on `entry` ended: remove it if that was asked for and nothing else uses it."""
-        entry.in_flight -= 1
-        if entry.in_flight == 0 and entry.unload_requested and self._adapters.get(entry.ref.name) is entry:
-            self._remove_soon(entry)
-
-    def _check_same(self, entry: _Adapter, adapter: AdapterRef) -> None:
-        check_same_adapter(entry.ref, adapter)
-
-    def _begin_load(self, adapter: AdapterRef) -> _Adapter:
-        """Start loading `adapter` into vLLM (removing stale idle adapters first); return its entry."""
+    def _prepare(self, adapter: AdapterRef) -> Any:
+        """The LoRARequest for `adapter` under a new id, refused unless its directory holds an adapter vLLM can take."""
         path = check_adapter_dir(adapter, (self.cfg.max_lora_rank, "engine.vllm.max_lora_rank"))
-        self._evict_for(adapter)
         lora_id = self._next_lora_id
         self._next_lora_id += 1
-        lora = self._vllm["LoRARequest"](lora_name=adapter.name, lora_int_id=lora_id, lora_path=str(path))
-        task = asyncio.get_running_loop().create_task(self._add_lora(adapter, lora),
-                                                      name=f"{self.name}-load-{adapter.name}")
-        # Retrieve the outcome even when every waiter was cancelled (no "never retrieved" noise).
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        entry = _Adapter(ref=adapter, lora=lora, order=lora_id, ready=task)
-        self._adapters[adapter.name] = entry
-        return entry
+        return self._vllm["LoRARequest"](lora_name=adapter.name, lora_int_id=lora_id, lora_path=str(path))
 
-    async def _add_lora(self, adapter: AdapterRef, lora: Any) -> None:
+    def _stale(self, resident: AdapterRef, incoming: AdapterRef) -> bool:
+        """Whether no group may use `resident` once `incoming` loads: older than its version - max_staleness."""
+        return resident.version < incoming.version - self.max_staleness
+
+    async def _add_lora(self, entry: _Lora) -> None:
+        lora = entry.handle
         t0 = time.monotonic()
         try:
             added = await self._llm.add_lora(lora)
-        except BaseException as e:
-            entry = self._adapters.get(adapter.name)
-            if entry is not None and entry.lora is lora:
-                del self._adapters[adapter.name]
-            if isinstance(e, Exception) and not isinstance(e, PipelineError):
-                # vLLM reports a failed load as a plain Exception carrying the worker's message.
-                raise AdapterError(f"engine {self.name}: vLLM could not load adapter version {adapter.version} "
-                                   f"from {lora.lora_path!r}: {e}") from e
+        except PipelineError:
             raise
+        except Exception as e:  # vLLM reports a failed load as a plain Exception carrying the worker's message
+            raise AdapterError(f"engine {self.name}: vLLM could not load adapter version {entry.ref.version} "
+                               f"from {lora.lora_path!r}: {e}") from e
         self.stats.adapters_loaded += 1
-        log.info("adapter_loaded", engine=self.name, version=adapter.version, adapter=adapter.name,
+        log.info("adapter_loaded", engine=self.name, version=entry.ref.version, adapter=entry.ref.name,
                  lora_id=lora.lora_int_id, seconds=round(time.monotonic() - t0, 4), added=bool(added))
-        entry = self._adapters.get(adapter.name)
-        if entry is not None and entry.lora is lora and entry.unload_requested and not entry.in_flight:
-            # Found stale by a newer load while it was still loading; nothing asked for it since.
-            asyncio.get_running_loop().call_soon(self._remove_if_idle, entry)
 
-    def _remove_if_idle(self, entry: _Adapter) -> None:
-        if self._adapters.get(entry.ref.name) is entry and entry.unload_requested and not entry.in_flight:
-            self._remove_soon(entry)
-
-    async def _wait_ready(self, entry: _Adapter) -> None:
-        closes = self._closes
+    async def _remove_lora(self, entry: _Lora) -> None:
+        lora = entry.handle
         try:
-            await asyncio.shield(entry.ready)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            # closed under us, even if started again since: the load was cancelled, not this call
-            if entry.ready.cancelled() and self._closes != closes and \
-                    not (current is not None and current.cancelling()):
-                raise EngineDeadError(f"engine {self.name} closed while loading adapter {entry.ref.name}") from None
-            raise
-
-    def _evict_for(self, adapter: AdapterRef) -> None:
-        """Before loading `adapter`: remove stale idle adapters; mark busy stale ones for later."""
-        oldest_useful = adapter.version - self.max_staleness
-        for entry in list(self._adapters.values()):
-            if entry.ref.version < oldest_useful:
-                self._remove_or_defer(entry)
-        keep = self.max_staleness + 1
-        live = sorted((a for a in self._adapters.values() if not a.unload_requested), key=lambda a: a.order)
-        excess = len(live) + 1 - keep
-        for entry in live:
-            if excess <= 0:
-                break
-            if entry.in_flight == 0 and entry.ready.done():
-                self._remove_or_defer(entry)
-                excess -= 1
-        if excess > 0:
-            log.warning("adapter_bound_exceeded", engine=self.name, bound=keep, loading=adapter.name,
-                        loaded=[a.ref.name for a in self._adapters.values()],
-                        in_use=[a.ref.name for a in self._adapters.values() if a.in_flight])
-
-    def _remove_or_defer(self, entry: _Adapter) -> None:
-        if entry.in_flight or not entry.ready.done():
-            entry.unload_requested = True
-        else:
-            self._remove_soon(entry)
-
-    def _remove_soon(self, entry: _Adapter) -> None:
-        """Forget `entry` now and remove it from vLLM in the background (its id is never reused)."""
-        del self._adapters[entry.ref.name]
-        if self._closed or self._llm is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._remove_lora(entry), name=f"{self.name}-unload-{entry.ref.name}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _remove(self, entry: _Adapter) -> None:
-        del self._adapters[entry.ref.name]
-        await self._remove_lora(entry)
-
-    async def _remove_lora(self, entry: _Adapter) -> None:
-        if entry.ready.cancelled() or entry.ready.exception() is not None:
-            return  # never loaded: nothing to remove
-        try:
-            removed = await self._llm.remove_lora(entry.lora.lora_int_id)
+            removed = await self._llm.remove_lora(lora.lora_int_id)
         except Exception as e:  # vLLM's LRU caches drop it eventually; a failed removal must not fail a request
             log.warning("adapter_unload_failed", engine=self.name, adapter=entry.ref.name, error=repr(e))
             return
         self.stats.adapters_unloaded += 1
         log.info("adapter_unloaded", engine=self.name, version=entry.ref.version, adapter=entry.ref.name,
-                 lora_id=entry.lora.lora_int_id, removed=bool(removed))
+                 lora_id=lora.lora_int_id, removed=bool(removed))
 
 
 def _shut_down_late(building: asyncio.Future[Any]) -> None:
     """A start abandoned while vLLM came up: shut the AsyncLLM down once the constructor returns."""
     if not building.cancelled() and building.exception() is None:
         building.result()[0].shutdown()
-
-
-def _loaded_ok(entry: _Adapter) -> bool:
-    return entry.ready.done() and not entry.ready.cancelled() and entry.ready.exception() is None
 
 
 def _describe(lora: Any) -> str:
