@@ -73,7 +73,8 @@ def policy_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor
     logprobs: [N, T] trainer log-probs of the sampled tokens under the current weights (with grad).
     behaviour_logprobs: [N, T] the engine's stored sampling log-probs.
     advantages: [N] one per sequence, broadcast over its tokens.
-    mask: [N, T] bool or 0/1, nonzero on completion tokens.
+    mask: [N, T] bool or 0/1, nonzero on the tokens to weigh: the completion tokens the policy
+        sampled (a multi-turn episode's environment tokens are 0, and nothing of them is read).
     proximal_logprobs: [N, T] or None = logprobs.detach(), the weights at the start of the step
         (exact with one optimizer step per batch).
 

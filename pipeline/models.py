@@ -16,6 +16,9 @@ Invariants:
   `AutoTokenizer` loads it as it is built, and `apply_chat_template` renders ChatML.
 - `token_logprobs(...)[:, t]` is `log p(input_ids[:, t] | input_ids[:, :t])` in float32 for
   t >= 1 on non-padding positions, and 0 at t = 0 and on padding.
+- `pack_sequences`' completion_mask is True exactly on the completion tokens the policy sampled
+  (`Completion.mask`; every completion token when the mask is None); environment tokens of a
+  multi-turn episode are attended to as context but are never in it.
 """
 
 from __future__ import annotations
@@ -346,15 +349,22 @@ def load_causal_lm(path: str | Path, device: str, dtype: str, trust_remote_code:
 
 
 def pack_sequences(
-    prompts: list[Sequence[int]], completions: list[Sequence[int]], pad_id: int
+    prompts: list[Sequence[int]], completions: list[Sequence[int]], pad_id: int,
+    sampled: Sequence[np.ndarray | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Concatenate each prompt with its completion, right-padded.
 
-    Returns input_ids: [N, L] long, attention_mask: [N, L] long (1 on real tokens) and
-    completion_mask: [N, L] bool (True on completion tokens).
+    sampled: per completion, its `Completion.mask` ([T] bool, True where the policy sampled the
+        token) or None (every token sampled); None for the whole argument: every token of every
+        completion was sampled (single turns).
+    Returns input_ids: [N, L] long, attention_mask: [N, L] long (1 on real tokens: prompt,
+    sampled and environment tokens alike, so every one is context) and completion_mask: [N, L]
+    bool, True only on the completion tokens the policy sampled (the tokens a loss may weigh).
     """
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    if sampled is not None and len(sampled) != len(completions):
+        raise ValueError(f"{len(completions)} completions but {len(sampled)} sampled masks")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty: its first completion token would have no context")
@@ -368,7 +378,13 @@ def pack_sequences(
         seq = list(p) + list(c)
         input_ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         attention_mask[i, : len(seq)] = 1
-        completion_mask[i, len(p) : len(seq)] = True
+        m = None if sampled is None else sampled[i]
+        if m is None:
+            completion_mask[i, len(p) : len(seq)] = True
+        elif len(m) != len(c):
+            raise ValueError(f"completion {i} has {len(c)} tokens but a sampled mask of {len(m)}")
+        else:
+            completion_mask[i, len(p) : len(seq)] = torch.as_tensor(np.asarray(m, dtype=bool))
     return input_ids, attention_mask, completion_mask
 
 

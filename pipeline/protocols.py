@@ -43,8 +43,12 @@ Trainer invariants:
   orchestrator stops the run at `trainer.max_consecutive_skips`.
 - `save_adapter(dir)` writes the current version into the existing `dir`: a LoRA adapter
   directory, or a whole model directory with `trainer.update = "full"`.
-- `recompute_logprobs(groups)` gives, per group and per completion, the log-probs of the sampled
-  tokens under the weights of the group's version; KeyError for a version it no longer keeps.
+- `recompute_logprobs(groups)` gives, per group and per completion, the log-probs [T] of every
+  completion token (an episode's environment tokens too, aligned with `Completion.logprobs`; the
+  caller keeps the sampled ones, `Completion.sampled`) under the weights of the group's version;
+  KeyError for a version it no longer keeps.
+- `step(batch)` trains on the sampled tokens only: environment tokens (mask False) are context,
+  never a term of the loss or its statistics.
 - `save_state(dir)` writes everything the next step depends on; `load_state(dir)` restores it
   (and `version` with it) or refuses it whole, changing nothing.
 """
@@ -119,7 +123,7 @@ class Trainer(Protocol):
         ...
 
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
-        """Per group and completion, the sampled tokens' log-probs [T] under the group's version."""
+        """Per group and completion, every completion token's log-prob [T] under the group's version."""
         ...
 
     def save_adapter(self, directory: Path) -> None:

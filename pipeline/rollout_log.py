@@ -16,6 +16,15 @@ Invariants:
   array to the end of a chunk, so most flushes skip a resize; `close` trims them.
 - A flush writes at the committed offsets (grow if needed, then assign a slice), so retrying a
   flush that failed half-way overwrites its partial output instead of duplicating it.
+- Every completion token has a `mask` value (True where the policy sampled it, False on the
+  environment's tokens of a multi-turn episode; all True for a single turn) and every completion
+  a `turns` count, so `read_rollouts` gives `mask` aligned with `tokens` and `turns` per
+  completion whichever store it reads.
+- Format versions: 2 is written. A version-1 store (no mask, turns or env_reward arrays: every
+  completion a single turn) is read as if it held mask True, turns 1 and env_reward NaN, and
+  opening one for appending (a resumed run) upgrades it in place: the new arrays are created at
+  the committed lengths holding those values (no chunk written: they are the fill values), and
+  format_version becomes 2 last, so an upgrade cut short is simply done again.
 
 Layout (zarr v3 group; ragged data as flat arrays plus offsets):
 
@@ -23,8 +32,11 @@ Layout (zarr v3 group; ragged data as flat arrays plus offsets):
                      engine str ("" without a generation), t_admitted / t_gen_start / t_gen_end /
                      t_done f64 (NaN when unknown), prompt_tok_off i64, prompt_tok_len i32,
                      comp_off i64 (first completion's row), comp_count i32
-    per completion   reward f64 (NaN when not scored), finish_reason str, tok_off i64, tok_len i32
-    flat             prompt_tokens i32, tokens i32, logprobs f32 ([sum tok_len])
+    per completion   reward f64 (NaN when not scored), finish_reason str, tok_off i64, tok_len i32,
+                     turns i32 (policy turns; 1 for a single turn), env_reward f64 (the environment's
+                     summed reward; NaN without an environment)
+    flat             prompt_tokens i32, tokens i32, logprobs f32, mask bool ([sum tok_len]; logprobs
+                     is 0 where mask is False)
     attrs            format_version, created_unix, meta (the caller's dict), committed counts
 
 Token ids are stored as int32: enough for any vocabulary below 2**31 entries (larger ids are
@@ -55,12 +67,14 @@ from pipeline.types import GroupOutcome
 
 log = structlog.get_logger(__name__)
 
-FORMAT_VERSION = 1
+# 2: per-token mask, per-completion turns and env_reward (multi-turn episodes)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1 reads (and upgrades on append) as single-turn completions
 FATES = ("trained", "dropped", "failed", "eval")
 
 # Chunk lengths: a flush of a few hundred groups touches one or two chunks per array, and a
 # chunk stays a few hundred KiB. Every flush still rewrites the partial last chunk of each of
-# the 22 arrays (decoding and re-encoding up to a chunk of strings for the string ones): tens of
+# the 25 arrays (decoding and re-encoding up to a chunk of strings for the string ones): tens of
 # milliseconds per flush whatever its size, which is why flushes are batched.
 GROUP_CHUNK = 4096
 COMPLETION_CHUNK = 16384
@@ -97,9 +111,14 @@ _COMPLETION_ARRAYS: dict[str, tuple[Any, Any]] = {
     "finish_reason": (str, ""),
     "tok_off": ("int64", 0),
     "tok_len": ("int32", 0),
+    "turns": ("int32", 1),
+    "env_reward": ("float64", np.nan),
 }
 _PROMPT_TOKEN_ARRAYS: dict[str, tuple[Any, Any]] = {"prompt_tokens": ("int32", 0)}
-_TOKEN_ARRAYS: dict[str, tuple[Any, Any]] = {"tokens": ("int32", 0), "logprobs": ("float32", np.nan)}
+_TOKEN_ARRAYS: dict[str, tuple[Any, Any]] = {"tokens": ("int32", 0), "logprobs": ("float32", np.nan),
+                                             "mask": ("bool", True)}
+# What format version 2 added; their fill values are what a version-1 store's completions were.
+_V2_ARRAYS = ("turns", "env_reward", "mask")
 
 # section -> (arrays, chunk length, key of its length in the `committed` attribute)
 _SECTIONS = {
@@ -127,7 +146,7 @@ def _flat(parts: list[Any], dtype: np.dtype) -> np.ndarray:
     return np.concatenate([np.asarray(p).reshape(-1) for p in parts]).astype(dtype, copy=False)
 
 
-_I64, _F32, _F64 = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64)
+_I64, _F32, _F64, _BOOL = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64), np.dtype(bool)
 
 # The per-group values an append gathers as one tuple per group, in this order (the offsets are
 # computed at flush).
@@ -149,9 +168,12 @@ class _Block:
     tok_lens: tuple[int, ...]  # [C]
     finish_reasons: tuple[str, ...]  # [C]
     rewards: np.ndarray  # [C] float64
+    turns: tuple[int, ...]  # [C]
+    env_rewards: tuple[float, ...]  # [C], NaN without an environment
     prompt_tokens: np.ndarray  # [P] int32
     tokens: np.ndarray  # [T] int32
     logprobs: np.ndarray  # [T] float32
+    mask: np.ndarray  # [T] bool
 
 
 _INT32_MAX_U64 = np.uint64(_INT32_MAX)
@@ -222,6 +244,14 @@ def _to_block(outcomes: Sequence[GroupOutcome]) -> _Block:
         _raise_out_of_range(ids, np.concatenate([np.cumsum(prompt_lens), P + tok_ends[np.cumsum(comp_counts)]]),
                             outcomes)
     ids = ids.astype(np.int32)
+    masks = [c.mask for c in comps]
+    if all(m is None for m in masks):  # single turns: no per-completion array to build
+        mask = np.ones(T, dtype=bool)
+    else:
+        mask = _flat([np.ones(n, dtype=bool) if m is None else m for m, n in zip(masks, tok_lens)], _BOOL)
+        if len(mask) != T:  # what a 2-d mask leaves
+            raise ValueError(f"groups {outcomes[0].group_id}..{outcomes[-1].group_id}: every completion's mask "
+                             f"must be 1-d, one value per token")
 
     rewards = [np.full(n, np.nan) if o.rewards is None else o.rewards for o, n in zip(outcomes, comp_counts)]
     try:
@@ -243,9 +273,12 @@ def _to_block(outcomes: Sequence[GroupOutcome]) -> _Block:
         tok_lens=tok_lens,
         finish_reasons=tuple([c.finish_reason for c in comps]),
         rewards=_flat(rewards, _F64),
+        turns=tuple([c.turns for c in comps]),
+        env_rewards=tuple([nan if c.env_reward is None else c.env_reward for c in comps]),
         prompt_tokens=ids[:P],
         tokens=ids[P:],
         logprobs=logprobs,
+        mask=mask,
     )
 
 
@@ -256,7 +289,10 @@ def _columns(blocks: list[_Block], committed: dict[str, int]) -> dict[str, np.nd
         "prompt_tokens": _flat([b.prompt_tokens for b in blocks], np.dtype(np.int32)),
         "tokens": _flat([b.tokens for b in blocks], np.dtype(np.int32)),
         "logprobs": _flat([b.logprobs for b in blocks], _F32),
+        "mask": _flat([b.mask for b in blocks], _BOOL),
         "reward": _flat([b.rewards for b in blocks], _F64),
+        "turns": np.fromiter(chain.from_iterable(b.turns for b in blocks), np.int32),
+        "env_reward": np.fromiter(chain.from_iterable(b.env_rewards for b in blocks), np.float64),
         "finish_reason": np.array(list(chain.from_iterable(b.finish_reasons for b in blocks)), dtype=object),
         "tok_len": np.fromiter(chain.from_iterable(b.tok_lens for b in blocks), np.int32),
     }
@@ -267,6 +303,21 @@ def _columns(blocks: list[_Block], committed: dict[str, int]) -> dict[str, np.nd
     columns["prompt_tok_off"] = _offsets(committed["prompt_tokens"], columns["prompt_tok_len"])
     columns["comp_off"] = _offsets(committed["completions"], columns["comp_count"])
     return columns
+
+
+def _create_array(group: zarr.Group, name: str, dtype: Any, fill: Any, chunk: int, length: int,
+                  overwrite: bool = False) -> None:
+    group.create_array(name, shape=(length,), dtype=dtype, chunks=(chunk,), fill_value=fill, overwrite=overwrite,
+                       compressors="auto" if dtype is str else _NUMERIC_COMPRESSOR)
+
+
+def _check_version(path: Path, attrs: dict[str, Any]) -> int:
+    """The store's format version, one of READABLE_VERSIONS (ConfigError otherwise)."""
+    version = attrs.get("format_version")
+    if version not in READABLE_VERSIONS:
+        raise ConfigError(f"rollout log {path} has format_version {version!r}, this code reads "
+                          f"{', '.join(map(str, READABLE_VERSIONS))} and writes {FORMAT_VERSION}")
+    return int(version)
 
 
 def _offsets(start: int, lengths: np.ndarray) -> np.ndarray:
@@ -314,8 +365,7 @@ class RolloutLog:
         group = zarr.open_group(self.path, mode="w-")
         for arrays, chunk, _ in _SECTIONS.values():
             for name, (dtype, fill) in arrays.items():
-                group.create_array(name, shape=(0,), dtype=dtype, chunks=(chunk,), fill_value=fill,
-                                   compressors="auto" if dtype is str else _NUMERIC_COMPRESSOR)
+                _create_array(group, name, dtype, fill, chunk, 0)
         group.attrs.update({
             "format_version": FORMAT_VERSION,
             "created_unix": time.time(),
@@ -325,15 +375,16 @@ class RolloutLog:
         return group
 
     def _repair(self, meta: dict[str, Any] | None) -> dict[str, int]:
-        """Check the format, trim data beyond the committed counts, merge the caller's meta."""
+        """Check the format, trim data beyond the committed counts, upgrade a version-1 store, merge
+        the caller's meta."""
         attrs = dict(self._group.attrs)
-        if attrs.get("format_version") != FORMAT_VERSION:
-            raise ConfigError(f"rollout log {self.path} has format_version {attrs.get('format_version')!r}, "
-                              f"this code reads and writes {FORMAT_VERSION}")
+        version = _check_version(self.path, attrs)
         committed = {k: int(v) for k, v in attrs["committed"].items()}
         trimmed = []
         for arrays, _, key in _SECTIONS.values():
             for name in arrays:
+                if version == 1 and name in _V2_ARRAYS:
+                    continue
                 arr = self._group[name]
                 if arr.shape[0] < committed[key]:
                     raise ConfigError(f"rollout log {self.path}: array {name} has {arr.shape[0]} rows "
@@ -343,9 +394,21 @@ class RolloutLog:
                     arr.resize((committed[key],))
         if trimmed:  # the last writer did not close the log: a crash, or a kill between flushes
             log.warning("rollout_log_trimmed", path=str(self.path), arrays=trimmed, committed=committed)
+        if version == 1:
+            self._upgrade(committed)
         if meta:
             self._group.attrs["meta"] = {**attrs.get("meta", {}), **meta}
         return committed
+
+    def _upgrade(self, committed: dict[str, int]) -> None:
+        """Version 1 to 2: the arrays version 2 added, `committed` long, each holding its fill value
+        (mask True, turns 1, env_reward NaN: what every version-1 completion was), then the version."""
+        for arrays, chunk, key in _SECTIONS.values():
+            for name, (dtype, fill) in arrays.items():
+                if name in _V2_ARRAYS:  # overwrite: an upgrade cut short may have left one behind
+                    _create_array(self._group, name, dtype, fill, chunk, committed[key], overwrite=True)
+        self._group.attrs["format_version"] = FORMAT_VERSION
+        log.info("rollout_log_upgraded", path=str(self.path), old_version=1, version=FORMAT_VERSION)
 
     def append(self, outcome: GroupOutcome) -> None:
         """Buffer one outcome; `append_many([outcome])`."""
@@ -538,7 +601,8 @@ class Rollouts:
     completions: dict[str, np.ndarray]  # per-completion columns, each [C]
     prompt_tokens: np.ndarray  # [P] int32
     tokens: np.ndarray  # [T] int32
-    logprobs: np.ndarray  # [T] float32
+    logprobs: np.ndarray  # [T] float32; 0 where mask is False
+    mask: np.ndarray  # [T] bool: True where the policy sampled the token, False on environment tokens
     attrs: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -546,15 +610,17 @@ class Rollouts:
         return len(self.groups["group_id"])
 
     def group(self, i: int) -> dict[str, Any]:
-        """Group i in log order: its scalars, prompt tokens, rewards [n] and completions."""
+        """Group i in log order: its scalars, prompt tokens, rewards [n], completions (token ids,
+        log-probs, finish reason), masks (per completion [T] bool), turns [n] and env_rewards [n]."""
         g = {name: col[i] for name, col in self.groups.items()}
         p0, pn = int(g["prompt_tok_off"]), int(g["prompt_tok_len"])
         c0, cn = int(g["comp_off"]), int(g["comp_count"])
-        completions = []
+        completions, masks = [], []
         for j in range(c0, c0 + cn):
             t0, tn = int(self.completions["tok_off"][j]), int(self.completions["tok_len"][j])
             completions.append((self.tokens[t0:t0 + tn].astype(np.int64), self.logprobs[t0:t0 + tn].copy(),
                                 str(self.completions["finish_reason"][j])))
+            masks.append(self.mask[t0:t0 + tn].copy())
         return {
             "group_id": int(g["group_id"]),
             "prompt_id": str(g["prompt_id"]),
@@ -570,6 +636,9 @@ class Rollouts:
             "prompt_token_ids": self.prompt_tokens[p0:p0 + pn].astype(np.int64),
             "rewards": self.completions["reward"][c0:c0 + cn].copy(),
             "completions": completions,
+            "masks": masks,
+            "turns": self.completions["turns"][c0:c0 + cn].astype(np.int64),
+            "env_rewards": self.completions["env_reward"][c0:c0 + cn].copy(),
         }
 
     def staleness(self) -> np.ndarray:
@@ -585,9 +654,13 @@ class Rollouts:
             g = self.group(i)
             rewards = g.pop("rewards")
             completions = g.pop("completions")
+            masks = g.pop("masks")
             g["prompt_len"] = len(g.pop("prompt_token_ids"))
             g["n_completions"] = len(completions)
             g["num_tokens"] = sum(len(t) for t, _, _ in completions)
+            g["num_sampled_tokens"] = int(sum(m.sum() for m in masks))
+            g["turns"] = g["turns"].tolist()
+            g["env_rewards"] = g["env_rewards"].tolist()
             g["rewards"] = rewards.tolist()
             g["reward_mean"] = float(np.nanmean(rewards)) if np.isfinite(rewards).any() else float("nan")
             records.append(g)
@@ -595,21 +668,25 @@ class Rollouts:
 
 
 def read_rollouts(path: str | Path) -> Rollouts:
-    """Read the committed groups of the log at `path`; data a crashed flush left is ignored."""
+    """Read the committed groups of the log at `path`; data a crashed flush left is ignored.
+
+    A version-1 store (never modified here) reads with mask True, turns 1 and env_reward NaN.
+    """
     path = Path(path)
     if not (path / "zarr.json").exists():
         raise FileNotFoundError(f"no rollout log at {path} (no zarr.json)")
     group = zarr.open_group(path, mode="r")
     attrs = dict(group.attrs)
-    if attrs.get("format_version") != FORMAT_VERSION:
-        raise ConfigError(f"rollout log {path} has format_version {attrs.get('format_version')!r}, "
-                          f"this code reads {FORMAT_VERSION}")
+    version = _check_version(path, attrs)
     committed = attrs["committed"]
 
     def section(name: str) -> dict[str, np.ndarray]:
         arrays, _, key = _SECTIONS[name]
         out = {}
-        for col, (dtype, _) in arrays.items():
+        for col, (dtype, fill) in arrays.items():
+            if version == 1 and col in _V2_ARRAYS:
+                out[col] = np.full(committed[key], fill, dtype=dtype)
+                continue
             values = group[col][: committed[key]]
             out[col] = values.astype(object) if dtype is str else np.asarray(values)
         return out
@@ -621,5 +698,6 @@ def read_rollouts(path: str | Path) -> Rollouts:
         prompt_tokens=section("prompt_tokens")["prompt_tokens"],
         tokens=flat_tokens["tokens"],
         logprobs=flat_tokens["logprobs"],
+        mask=flat_tokens["mask"],
         attrs=attrs,
     )

@@ -15,6 +15,11 @@ Invariants:
   the event loop. The proximal policy of the decoupled PPO loss is the weights at the start of
   the step; with one optimizer step per batch that is the detached current log-probs.
 - A step whose loss or gradient norm is not finite changes no weight (it is skipped and counted).
+- Only tokens the policy sampled (`Completion.sampled`) are weighed: the loss, its gradient, the
+  train/* ratio and weight statistics, the token counts and the micro-batch weights. Environment
+  tokens of a multi-turn episode are context of the forward pass and nothing else: their
+  behaviour log-probs are never read and the logits that predict them get no gradient. A
+  completion with no sampled token is left out. Single turns (mask None) weigh every token.
 - Published versions are safetensors + JSON only: adapter_config.json + adapter_model.safetensors
   (peft's save_pretrained) for LoRA; config.json (+ generation_config.json) + model.safetensors,
   or model-*-of-*.safetensors with model.safetensors.index.json, for full weights. Full-weight
@@ -25,6 +30,9 @@ Invariants:
   the previous version are kept. A step copies the version it trains from only when its batch
   says so (`Batch.keep_version`: the orchestrator asks when a log-prob check may look back at
   it). An older version, or one not kept, raises KeyError.
+- `recompute_logprobs` gives one [T] array per completion (empty for an empty one), over every
+  completion token, environment ones too, aligned with `Completion.logprobs`; comparing it with
+  the engine's is the caller's, over `Completion.sampled` positions.
 - Trainer state (`save_state`/`load_state`) is trainable weights, AdamW moments keyed by
   parameter name, RNG state, counters and the update mode, as pipeline.trainer_state writes and
   checks it (safetensors + JSON, never pickle). A restored trainer's next step gives
@@ -39,6 +47,7 @@ import contextlib
 import json
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -57,6 +66,22 @@ from pipeline.types import Batch, RolloutGroup, TrainStats
 log = structlog.get_logger(__name__)
 
 FULL_KEEP_VERSIONS = 2  # full mode: the current version and the previous one (a CPU copy of the whole model)
+
+
+@dataclass(slots=True)
+class _Rows:
+    """A batch flattened to rows, one per completion, in group order; each list is [N]."""
+
+    prompts: list[list[int]] = field(default_factory=list)
+    comps: list[list[int]] = field(default_factory=list)  # completion token ids (sampled and environment)
+    behaviour: list[np.ndarray] = field(default_factory=list)  # [T] the engine's log-probs (0 off the mask)
+    sampled: list[np.ndarray | None] = field(default_factory=list)  # Completion.mask: [T] bool, None = all sampled
+    advantages: list[float] = field(default_factory=list)
+    owner: list[tuple[int, int]] = field(default_factory=list)  # (group index, completion index)
+
+    def sampled_tokens(self) -> int:
+        """How many tokens the policy sampled, over every row (the tokens a loss weighs)."""
+        return sum(len(c) if m is None else int(np.count_nonzero(m)) for c, m in zip(self.comps, self.sampled))
 
 
 class LoRATrainer:
@@ -132,29 +157,36 @@ class LoRATrainer:
 
     # ------------------------------------------------------------------ data
 
-    def _rows(self, groups: Sequence[RolloutGroup]) -> tuple[list, list, list, torch.Tensor, list[int]]:
-        """Flatten groups into rows: prompt ids, completion ids, behaviour log-probs, advantages [N], group index."""
+    def _rows(self, groups: Sequence[RolloutGroup], *, all_tokens: bool = False) -> _Rows:
+        """Flatten groups into rows, one per completion with a token to weigh.
+
+        A completion without a sampled token (empty, or environment tokens only) is left out, as
+        nothing in it may carry gradient; with `all_tokens` (recomputing log-probs) only empty
+        ones are.
+        """
         rewards = [torch.as_tensor(g.rewards, dtype=torch.float32) for g in groups]
-        prompts, comps, behaviour, advs, owner = [], [], [], [], []
+        rows = _Rows()
         for gi, (g, r) in enumerate(zip(groups, rewards)):
             a = group_advantages(r[None, :], scale=self.loss_cfg.scale_rewards)[0]
-            for c, adv in zip(g.completions, a.tolist()):
-                if len(c.token_ids) == 0:
+            for ci, (c, adv) in enumerate(zip(g.completions, a.tolist())):
+                if len(c.token_ids) == 0 or not (all_tokens or c.mask is None or c.mask.any()):
                     continue  # nothing was sampled: no token to weigh
-                prompts.append(list(g.prompt.token_ids))
-                comps.append(c.token_ids.tolist())
-                behaviour.append(c.logprobs)
-                advs.append(adv)
-                owner.append(gi)
-        return prompts, comps, behaviour, torch.tensor(advs, dtype=torch.float32), owner
+                rows.prompts.append(list(g.prompt.token_ids))
+                rows.comps.append(c.token_ids.tolist())
+                rows.behaviour.append(c.logprobs)
+                rows.sampled.append(c.mask)
+                rows.advantages.append(adv)
+                rows.owner.append((gi, ci))
+        return rows
 
     def _micro_batches(self, n: int) -> list[slice]:
         m = self.cfg.micro_batch_sequences
         return [slice(i, min(n, i + m)) for i in range(0, n, m)]
 
-    def _forward(self, prompts: list, comps: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """Completion log-probs under the current weights: ([N, L] log-probs, [N, L] completion mask)."""
-        ids, attn, cmask = pack_sequences(prompts, comps, self.pad_id)
+    def _forward(self, rows: _Rows, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the rows `sl` under the current weights, over every token (environment
+        tokens are context): ([n, L] log-probs, [n, L] mask of the sampled completion tokens)."""
+        ids, attn, cmask = pack_sequences(rows.prompts[sl], rows.comps[sl], self.pad_id, rows.sampled[sl])
         dev = self.cfg.device
         lp = token_logprobs(self.model, ids.to(dev), attn.to(dev))
         return lp, cmask.to(dev)
@@ -165,18 +197,20 @@ class LoRATrainer:
         """One corrected GRPO step on a batch; returns the stats of the step (blocking)."""
         assert self.model is not None and self.optimizer is not None, "call setup() first"
         t0 = time.monotonic()
-        prompts, comps, behaviour, advs, owner = self._rows(batch.groups)
-        n = len(comps)
-        total_tokens = sum(len(c) for c in comps)
+        rows = self._rows(batch.groups)
+        n = len(rows.comps)
+        total_tokens = rows.sampled_tokens()  # what token_mean averages over: sampled tokens only
+        advs = torch.tensor(rows.advantages, dtype=torch.float32)
         acc: dict[str, float] = {}
         ratio_max = 0.0
         loss_total = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for sl in self._micro_batches(n):
-            lp, cmask = self._forward(prompts[sl], comps[sl])
+            lp, cmask = self._forward(rows, sl)
+            # the engine's log-probs where it sampled; its 0 on environment tokens lies outside cmask
             beh = torch.zeros_like(lp)
-            for i, b in enumerate(behaviour[sl]):
-                start = len(prompts[sl][i])
+            for i, b in enumerate(rows.behaviour[sl]):
+                start = len(rows.prompts[sl][i])
                 beh[i, start:start + len(b)] = torch.as_tensor(b, device=lp.device)
             adv = advs[sl].to(lp.device)
             loss, stats = policy_loss(lp, beh, adv, cmask, self.loss_cfg)
@@ -264,28 +298,35 @@ class LoRATrainer:
 
     @torch.no_grad()
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
-        """Log-probs of each group's sampled tokens under the weights of the version that sampled it.
+        """Per group and per completion, the log-probs [T] of every completion token under the
+        weights of the version that sampled the group, aligned with `Completion.token_ids`.
 
-        Used by the log-prob contract check: engine and trainer must agree on the same policy.
-        Raises KeyError if a group's version is not one of `kept_versions()`.
+        Environment tokens of a multi-turn episode are included (the model's log-prob of them,
+        given what came before), so the arrays line up with `Completion.logprobs`; only the
+        positions where `Completion.sampled` is True are comparable with the engine's (its
+        log-probs elsewhere are 0), and the caller selects them. An empty completion gets an
+        empty array. Used by the log-prob contract check: engine and trainer must agree on the
+        same policy. Raises KeyError if a group's version is not one of `kept_versions()`.
         """
         assert self.model is not None, "call setup() first"
         kept = self.kept_versions()
         missing = {g.version for g in groups} - set(kept)
         if missing:
             raise KeyError(f"trainer keeps versions {kept}, not {sorted(missing)}")
-        out: list[list[np.ndarray]] = [[] for _ in groups]
+        out: list[list[np.ndarray]] = [[np.zeros(0, dtype=np.float32)] * len(g.completions) for g in groups]
         was_training = self.model.training
         self.model.eval()
         try:
             for version in sorted({g.version for g in groups}):
                 idx = [i for i, g in enumerate(groups) if g.version == version]
-                prompts, comps, _, _, owner = self._rows([groups[i] for i in idx])
+                rows = self._rows([groups[i] for i in idx], all_tokens=True)
                 with self._weights_of(version):
-                    for sl in self._micro_batches(len(comps)):
-                        lp, cmask = self._forward(prompts[sl], comps[sl])
+                    for sl in self._micro_batches(len(rows.comps)):
+                        lp, _ = self._forward(rows, sl)
                         for i in range(sl.stop - sl.start):
-                            out[idx[owner[sl.start + i]]].append(lp[i][cmask[i]].float().cpu().numpy())
+                            (gi, ci), start = rows.owner[sl.start + i], len(rows.prompts[sl.start + i])
+                            end = start + len(rows.comps[sl.start + i])
+                            out[idx[gi]][ci] = lp[i, start:end].float().cpu().numpy()
         finally:
             self.model.train(was_training)
         return out

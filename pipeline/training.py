@@ -8,6 +8,8 @@ Invariants:
 - A checkpoint is taken between two steps, at one moment on the loop: the ledger snapshot and
   the RolloutLog row count agree, and the rows it covers are flushed first. One is written every
   pipeline.checkpoint_every steps, at the end (after the last evaluation round) and on a stop.
+- The engine-vs-trainer log-prob check compares the tokens the policy sampled only
+  (`Completion.sampled`); environment tokens of an episode never enter it.
 - A stop request ends the loop after the step in progress; trainer.max_consecutive_skips
   non-finite steps in a row end the run with a TrainerError after a checkpoint.
 """
@@ -147,6 +149,12 @@ class Training:
         # the end of the run, or a stop request: the state to continue from
         await self.checkpoint(last)
 
+    def abandon(self, reason: str) -> list[RolloutGroup]:
+        """The batch taken but not trained (shutdown cut its step): out of the buffer's count, returned."""
+        groups, self.training = self.training, []
+        self.buffer.abandon(groups, reason)
+        return groups
+
     def _checks_at(self, step: int) -> bool:
         """Whether `step` starts with a log-prob check: the run's first step, then every logprob_check_every."""
         every = self.cfg.pipeline.logprob_check_every
@@ -218,7 +226,8 @@ class Training:
         self.checkpoint_step = step
 
     async def _logprob_check(self, batch: Batch) -> dict[str, float]:
-        """Recompute the trainer's log-probs of a few groups (under their own versions) against the engine's."""
+        """Recompute the trainer's log-probs of a few groups (under their own versions) against the
+        engine's, over the tokens the policy sampled (`sampled_logprob_pairs`)."""
         pc = self.cfg.pipeline
         groups = list(batch.groups)[:pc.logprob_check_groups]
         if not groups:
@@ -228,8 +237,7 @@ class Training:
         except KeyError as e:  # the trainer no longer holds that version's weights: skip this check
             log.warning("logprob_check_skipped", reason=str(e))
             return {}
-        eng = np.concatenate([c.logprobs for g in groups for c in g.completions]).astype(np.float64)
-        tr = np.concatenate([x for per in trainer_lp for x in per]).astype(np.float64)
+        eng, tr = sampled_logprob_pairs(groups, trainer_lp)
         import torch
 
         mm = logprob_mismatch(torch.from_numpy(eng), torch.from_numpy(tr))
@@ -242,3 +250,20 @@ class Training:
                         threshold=pc.logprob_warn_mean_abs,
                         hint="engine and trainer disagree on the policy: check dtype, adapter loading, sampling")
         return out
+
+
+def sampled_logprob_pairs(groups: list[RolloutGroup],
+                          trainer_lp: list[list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's and the trainer's log-probs of the sampled tokens of `groups`: ([M], [M]) float64.
+
+    trainer_lp: what `recompute_logprobs(groups)` returned, per group and per completion an
+    array [T] over every completion token. Only positions where `Completion.sampled` is True
+    are kept: on environment tokens the engine's log-prob is 0 by contract, not a log-prob, and
+    would enter the mean |diff| as a mismatch of the trainer's whole log-prob there.
+    """
+    eng = np.concatenate([np.zeros(0, np.float32)] + [c.logprobs[c.sampled] for g in groups for c in g.completions])
+    mask = np.concatenate([np.zeros(0, bool)] + [c.sampled for g in groups for c in g.completions])
+    tr = np.concatenate([np.zeros(0, np.float32)] + [x for per in trainer_lp for x in per])
+    if len(tr) != len(mask):
+        raise TrainerError(f"recompute_logprobs gave {len(tr)} log-probs for {len(mask)} completion tokens")
+    return eng.astype(np.float64), tr[mask].astype(np.float64)

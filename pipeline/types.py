@@ -53,6 +53,7 @@ class GroupRequest:
     n: int
     max_new_tokens: int
     seed: int | None = None  # per-request seed; None uses the engine's own seeded generator
+    turn: int = 0  # 0: the first turn (of every episode, or the only one); k: an episode's turn k + 1, n = 1
 
 
 @dataclass(slots=True)
@@ -61,14 +62,29 @@ class Completion:
 
     token_ids: np.ndarray  # [T] int64
     logprobs: np.ndarray  # [T] float32, sampling log-prob of each token
-    finish_reason: str  # "stop" (end-of-sequence token) or "length" (max_new_tokens reached)
+    # "stop" (end-of-sequence token; an episode: its environment was done), "length" (max_new_tokens;
+    # an episode: its token budget) or "max_turns" (an episode's turns ran out first)
+    finish_reason: str
     text: str = ""
+    # Multi-turn episodes: the policy's turns and the environment's replies, as one token sequence
+    # after the prompt. mask[t] is True where the policy sampled token t (logprobs[t] is the
+    # engine's); False on environment and template tokens (logprobs[t] is 0 and never used).
+    mask: np.ndarray | None = None  # [T] bool; None: every token was sampled (a single turn)
+    turns: int = 1  # policy turns in the episode
+    env_reward: float | None = None  # the environment's reward summed over its steps; None: no environment
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"completion has {len(self.token_ids)} token ids but {len(self.logprobs)} log-probs"
             )
+        if self.mask is not None and len(self.mask) != len(self.token_ids):
+            raise ValueError(f"completion has {len(self.token_ids)} token ids but a mask of {len(self.mask)}")
+
+    @property
+    def sampled(self) -> np.ndarray:
+        """The mask of policy-sampled tokens, all True for a single turn."""
+        return np.ones(len(self.token_ids), dtype=bool) if self.mask is None else self.mask
 
 
 _TOKEN_IDS = attrgetter("token_ids")
@@ -87,7 +103,11 @@ class Generation:
 
     @property
     def num_tokens(self) -> int:
-        return sum(map(len, map(_TOKEN_IDS, self.completions)))
+        """Tokens the engine sampled (an episode's environment tokens are not counted)."""
+        comps = self.completions
+        if not comps or comps[0].mask is None:  # single turns (every completion of a group alike)
+            return sum(map(len, map(_TOKEN_IDS, comps)))
+        return sum(int(c.mask.sum()) for c in comps)
 
 
 @dataclass(slots=True)

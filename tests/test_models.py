@@ -247,6 +247,26 @@ def test_pack_sequences_right_pads_and_marks_completions() -> None:
         models.pack_sequences([[]], [[1]], pad_id=0)
 
 
+def test_pack_sequences_marks_only_sampled_tokens_and_attends_to_all() -> None:
+    """Environment tokens (mask False) are context (attended) but never in the completion mask."""
+    prompts, completions = [[1, 2], [3], [4, 5]], [[6, 7, 8, 9], [10, 11], [12]]
+    sampled = [np.array([True, False, False, True]), None, np.array([0], dtype=np.uint8)]
+    ids, attn, comp = models.pack_sequences(prompts, completions, pad_id=0, sampled=sampled)
+    assert ids.tolist() == [[1, 2, 6, 7, 8, 9], [3, 10, 11, 0, 0, 0], [4, 5, 12, 0, 0, 0]]
+    assert attn.tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert comp.tolist() == [[False, False, True, False, False, True], [False, True, True, False, False, False],
+                             [False] * 6]
+    # all-True masks and no masks pack alike (single turns)
+    plain = models.pack_sequences(prompts, completions, pad_id=0)
+    every = models.pack_sequences(prompts, completions, pad_id=0,
+                                  sampled=[np.ones(len(c), dtype=bool) for c in completions])
+    assert all(torch.equal(a, b) for a, b in zip(plain, every))
+    with pytest.raises(ValueError, match="completion 1 has 2 tokens but a sampled mask of 3"):
+        models.pack_sequences(prompts, completions, pad_id=0, sampled=[None, np.ones(3, bool), None])
+    with pytest.raises(ValueError, match="3 completions but 2 sampled masks"):
+        models.pack_sequences(prompts, completions, pad_id=0, sampled=[None, None])
+
+
 def _manual_logprobs(model: torch.nn.Module, seq: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([seq])).logits[0].double()

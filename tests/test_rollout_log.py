@@ -26,21 +26,16 @@ def make_outcome(
     reason: str | None = None,
     with_generation: bool = True,
     with_rewards: bool = True,
+    episodes: bool = False,
 ) -> GroupOutcome:
+    """A random outcome; with `episodes`, its completions are multi-turn episodes (a random mask
+    of sampled tokens with 0 log-probs elsewhere, turns, an environment reward)."""
     rng = rng if rng is not None else np.random.default_rng(gid)
     prompt = Prompt(id=f"p{gid}", text=f"prompt {gid}",
                     token_ids=tuple(int(t) for t in rng.integers(0, 150_000, prompt_len)))
     gen = None
     if with_generation:
-        comps = tuple(
-            Completion(
-                token_ids=rng.integers(0, 2**31 - 1, n).astype(np.int64),
-                logprobs=(-rng.exponential(size=n)).astype(np.float32),
-                finish_reason=("stop", "length")[k % 2],
-                text="t",
-            )
-            for k, n in enumerate(lengths)
-        )
+        comps = tuple(_completion(rng, n, k, episodes) for k, n in enumerate(lengths))
         gen = Generation(request=GroupRequest(group_id=gid, prompt=prompt, n=len(lengths), max_new_tokens=32),
                          completions=comps, version=version, engine=f"eng{gid % 3}",
                          t_start=10.0 + gid, t_end=11.5 + gid)
@@ -51,6 +46,17 @@ def make_outcome(
         reason = "" if fate == "trained" else f"{fate}_because_{gid % 2}"
     return GroupOutcome(group_id=gid, prompt=prompt, version=version, fate=fate, reason=reason, step=step,
                         generation=gen, rewards=rewards, t_admitted=1.0 + gid, t_done=20.0 + gid)
+
+
+def _completion(rng: np.random.Generator, n: int, k: int, episode: bool) -> Completion:
+    logprobs = (-rng.exponential(size=n)).astype(np.float32)
+    if not episode:
+        return Completion(token_ids=rng.integers(0, 2**31 - 1, n).astype(np.int64), logprobs=logprobs,
+                          finish_reason=("stop", "length")[k % 2], text="t")
+    mask = rng.random(n) < 0.6
+    return Completion(token_ids=rng.integers(0, 2**31 - 1, n).astype(np.int64),
+                      logprobs=np.where(mask, logprobs, np.float32(0)), finish_reason=("stop", "length")[k % 2],
+                      text="t", mask=mask, turns=int(rng.integers(1, 5)), env_reward=float(rng.normal()))
 
 
 def assert_group_equal(got: dict, o: GroupOutcome) -> None:
@@ -64,6 +70,7 @@ def assert_group_equal(got: dict, o: GroupOutcome) -> None:
     if o.generation is None:
         assert got["engine"] == "" and np.isnan(got["t_gen_start"]) and np.isnan(got["t_gen_end"])
         assert got["completions"] == [] and len(got["rewards"]) == 0
+        assert got["masks"] == [] and len(got["turns"]) == len(got["env_rewards"]) == 0
         return
     gen = o.generation
     assert (got["engine"], got["t_gen_start"], got["t_gen_end"]) == (gen.engine, gen.t_start, gen.t_end)
@@ -73,6 +80,13 @@ def assert_group_equal(got: dict, o: GroupOutcome) -> None:
         assert tok.dtype == np.int64 and lp.dtype == np.float32
         assert lp.tobytes() == c.logprobs.tobytes()  # bitwise
         assert fr == c.finish_reason
+    assert len(got["masks"]) == len(gen.completions)
+    for m, (tok, _, _), c in zip(got["masks"], got["completions"], gen.completions):
+        assert m.dtype == np.bool_ and len(m) == len(tok)
+        np.testing.assert_array_equal(m, c.sampled)  # all True for a single turn
+    assert got["turns"].tolist() == [c.turns for c in gen.completions]
+    np.testing.assert_array_equal(got["env_rewards"], [np.nan if c.env_reward is None else c.env_reward
+                                                       for c in gen.completions])
     if o.rewards is None:
         assert np.isnan(got["rewards"]).all()
     else:
@@ -352,6 +366,7 @@ group_shapes = st.lists(
         st.lists(st.integers(0, 20), min_size=0, max_size=4),  # completion lengths
         st.integers(0, 20),  # prompt length
         st.booleans(),  # has rewards
+        st.booleans(),  # multi-turn episodes
     ),
     min_size=0, max_size=12,
 )
@@ -364,8 +379,8 @@ def test_random_ragged_groups_round_trip(shapes: list, flush_every: int, seed: i
     rng = np.random.default_rng(seed)
     outcomes = [
         make_outcome(i, fate, rng=rng, lengths=tuple(lengths), prompt_len=plen, version=i % 3,
-                     with_rewards=has_rewards)
-        for i, (fate, lengths, plen, has_rewards) in enumerate(shapes)
+                     with_rewards=has_rewards, episodes=episodes)
+        for i, (fate, lengths, plen, has_rewards, episodes) in enumerate(shapes)
     ]
     with tempfile.TemporaryDirectory() as d:
         with RolloutLog(Path(d) / "r.zarr", flush_every=flush_every) as log:
@@ -388,6 +403,8 @@ def _mixed_outcomes(start: int = 0) -> list[GroupOutcome]:
         make_outcome(start + 4, "trained", lengths=(2,), prompt_len=0, version=1, step=2),
         make_outcome(start + 5, "dropped", reason="stale", lengths=()),
         make_outcome(start + 6, "trained", lengths=(4, 4)),
+        make_outcome(start + 7, "trained", lengths=(6, 0, 3), episodes=True),
+        make_outcome(start + 8, "dropped", lengths=(5,), episodes=True),
     ]
 
 
@@ -398,7 +415,7 @@ def _assert_same_store(a: rl.Rollouts, b: rl.Rollouts) -> None:
         for name in x:
             assert x[name].dtype == y[name].dtype, name
             np.testing.assert_array_equal(x[name], y[name], err_msg=name)  # NaN == NaN here
-    for name in ("prompt_tokens", "tokens", "logprobs"):
+    for name in ("prompt_tokens", "tokens", "logprobs", "mask"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), name
 
@@ -411,10 +428,11 @@ def test_append_many_stores_what_single_appends_store(tmp_path: Path, batches: t
             one.append(o)
         one_counts, one_reasons = one.counts(), one.reasons()
     with RolloutLog(tmp_path / "many.zarr", flush_every=5) as many:
-        rest = list(outcomes)
-        for k in batches * 2:
+        rest, calls = list(outcomes), 0
+        while rest:
+            k = batches[calls % len(batches)]
             many.append_many(rest[:k])
-            rest = rest[k:]
+            rest, calls = rest[k:], calls + 1
         assert not rest and len(many) == len(outcomes)
         assert (many.counts(), many.reasons()) == (one_counts, one_reasons)
     a, b = read_rollouts(tmp_path / "one.zarr"), read_rollouts(tmp_path / "many.zarr")
@@ -510,7 +528,7 @@ def test_mixed_fates_in_one_call_round_trip(tmp_path: Path) -> None:
     outcomes = _mixed_outcomes()
     with RolloutLog(tmp_path / "r.zarr") as log:
         log.append_many(outcomes)
-        assert log.counts() == {"trained": 3, "dropped": 2, "failed": 2, "eval": 0}
+        assert log.counts() == {"trained": 4, "dropped": 3, "failed": 2, "eval": 0}
     r = read_rollouts(tmp_path / "r.zarr")
     assert r.num_groups == len(outcomes)
     for i, o in enumerate(outcomes):
@@ -574,8 +592,9 @@ def test_reopen_after_an_unclosed_log_trims_the_grown_arrays(tmp_path: Path) -> 
 def test_random_batches_round_trip(shapes: list, cuts: list[int], seed: int) -> None:
     rng = np.random.default_rng(seed)
     outcomes = [
-        make_outcome(i, fate, rng=rng, lengths=tuple(lengths), prompt_len=plen, with_rewards=has_rewards)
-        for i, (fate, lengths, plen, has_rewards) in enumerate(shapes)
+        make_outcome(i, fate, rng=rng, lengths=tuple(lengths), prompt_len=plen, with_rewards=has_rewards,
+                     episodes=episodes)
+        for i, (fate, lengths, plen, has_rewards, episodes) in enumerate(shapes)
     ]
     with tempfile.TemporaryDirectory() as d:
         with RolloutLog(Path(d) / "r.zarr", flush_every=4) as log:
@@ -642,3 +661,139 @@ def test_eval_groups_have_negative_ids_and_their_rounds_step(tmp_path: Path) -> 
     for i, o in enumerate(ok, start=1):
         assert_group_equal(r.group(i), o)
     assert r.staleness().tolist() == [r.groups["step"][0] - 1]  # eval groups are not trained groups
+
+
+# --------------------------------------------------------------------------- multi-turn episodes and format 1
+
+
+def test_a_multi_turn_groups_mask_and_turns_round_trip(tmp_path: Path) -> None:
+    """The per-token mask (aligned with tokens) and per-completion turns and env_reward, beside single turns."""
+    mask = np.array([True, True, False, False, False, True, True, False, True])
+    lp = np.where(mask, np.float32(-0.5), np.float32(0))
+    ids = np.arange(100, 109, dtype=np.int64)
+    episode = Completion(token_ids=ids, logprobs=lp.astype(np.float32), finish_reason="stop", mask=mask, turns=3,
+                         env_reward=1.5)
+    unmasked = Completion(token_ids=ids[:4], logprobs=np.full(4, -1.0, np.float32), finish_reason="length", turns=2)
+    base = make_outcome(1, lengths=(2,))
+    gen = base.generation
+    multi = _with(base, rewards=np.array([1.0, 0.0]), generation=Generation(
+        request=gen.request, completions=(episode, unmasked), version=0, engine="e", t_start=0.0, t_end=1.0))
+    single = make_outcome(2, lengths=(3, 5))
+    with RolloutLog(tmp_path / "r.zarr") as log:
+        log.append_many([make_outcome(0, lengths=(4,)), multi])
+        log.append(single)
+    r = read_rollouts(tmp_path / "r.zarr")
+    assert r.mask.dtype == np.bool_ and len(r.mask) == len(r.tokens) == 4 + 9 + 4 + 8
+    np.testing.assert_array_equal(r.mask, np.concatenate([np.ones(4, bool), mask, np.ones(4 + 8, bool)]))
+    assert r.completions["turns"].tolist() == [1, 3, 2, 1, 1]
+    np.testing.assert_array_equal(r.completions["env_reward"], [np.nan, 1.5, np.nan, np.nan, np.nan])
+    g = r.group(1)
+    np.testing.assert_array_equal(g["masks"][0], mask)
+    assert g["masks"][1].all() and g["turns"].tolist() == [3, 2]
+    assert g["env_rewards"][0] == 1.5 and np.isnan(g["env_rewards"][1])
+    assert_group_equal(g, multi)
+    assert_group_equal(r.group(2), single)
+    rec = r.to_records()[1]
+    assert rec["num_tokens"] == 13 and rec["num_sampled_tokens"] == 5 + 4 and rec["turns"] == [3, 2]
+
+
+def test_a_mask_of_another_dtype_is_stored_as_bool(tmp_path: Path) -> None:
+    m = np.array([1, 0, 1], dtype=np.uint8)
+    c = Completion(token_ids=np.arange(3), logprobs=np.array([-1, 0, -1], np.float32), finish_reason="stop", mask=m)
+    base = make_outcome(0, lengths=(1,))
+    gen = base.generation
+    o = _with(base, rewards=np.zeros(1), generation=Generation(request=gen.request, completions=(c,), version=0,
+                                                               engine="e", t_start=0.0, t_end=1.0))
+    with RolloutLog(tmp_path / "r.zarr") as log:
+        log.append(o)
+    assert read_rollouts(tmp_path / "r.zarr").mask.tolist() == [True, False, True]
+
+
+# The arrays of a format-1 store, as the format-1 writer created them.
+V1_ARRAYS = {"group_id", "prompt_id", "version", "fate", "reason", "step", "engine", "t_admitted", "t_gen_start",
+             "t_gen_end", "t_done", "prompt_tok_off", "prompt_tok_len", "comp_off", "comp_count", "reward",
+             "finish_reason", "tok_off", "tok_len", "prompt_tokens", "tokens", "logprobs"}
+
+
+def _format_1_writer(m: pytest.MonkeyPatch) -> None:
+    """Make RolloutLog write what the format-1 code wrote: version 1, without the arrays format 2 added."""
+    m.setattr(rl, "FORMAT_VERSION", 1)
+    for section, (arrays, chunk, key) in rl._SECTIONS.items():
+        m.setitem(rl._SECTIONS, section, ({k: v for k, v in arrays.items() if k not in rl._V2_ARRAYS}, chunk, key))
+
+
+def _write_format_1(path: Path, outcomes: list[GroupOutcome], close: bool = True) -> None:
+    with pytest.MonkeyPatch.context() as m:
+        _format_1_writer(m)
+        log = RolloutLog(path, meta={"old": True})
+        log.append_many(outcomes)
+        log.flush()
+        if close:
+            log.close()
+    raw = zarr.open_group(path, mode="r")
+    assert set(raw.array_keys()) == V1_ARRAYS and raw.attrs["format_version"] == 1  # what format 1 wrote
+
+
+def test_a_format_1_log_reads_as_single_turns_and_is_not_changed(tmp_path: Path) -> None:
+    path = tmp_path / "r.zarr"
+    old = _mixed_outcomes()[:7]  # single turns only: what format 1 could hold
+    _write_format_1(path, old)
+    r = read_rollouts(path)
+    assert r.attrs["format_version"] == 1 and r.num_groups == len(old)
+    assert r.mask.dtype == np.bool_ and len(r.mask) == len(r.tokens) and r.mask.all()
+    assert (r.completions["turns"] == 1).all() and np.isnan(r.completions["env_reward"]).all()
+    for i, o in enumerate(old):
+        assert_group_equal(r.group(i), o)
+    assert set(zarr.open_group(path, mode="r").array_keys()) == V1_ARRAYS  # reading upgrades nothing
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_format_1_log_opened_for_appending_is_upgraded_and_continued(tmp_path: Path, closed: bool) -> None:
+    """A resumed run of an old run directory: open (upgrade), truncate to the checkpoint, append episodes."""
+    path = tmp_path / "r.zarr"
+    old = [make_outcome(i, lengths=(3, 2)) for i in range(5)]
+    _write_format_1(path, old, close=closed)  # not closed: a kill -9 left the arrays grown
+    log = RolloutLog(path, meta={"new": True})
+    raw = zarr.open_group(path, mode="r")
+    assert raw.attrs["format_version"] == rl.FORMAT_VERSION == 2
+    assert raw["mask"].shape[0] == raw["tokens"].shape[0] == 25 and raw["turns"].shape[0] == 10
+    assert log.truncate(3) == 2  # what session.open_session does on a resume
+    new = [make_outcome(i, lengths=(4, 6), episodes=True) for i in range(3, 6)]
+    log.append_many(new)
+    log.close()
+    r = read_rollouts(path)
+    assert r.num_groups == 6 and r.attrs["meta"] == {"old": True, "new": True}
+    for i, o in enumerate(old[:3] + new):
+        assert_group_equal(r.group(i), o)
+    assert r.mask[:15].all() and not r.mask[15:].all()
+    assert r.completions["turns"][:6].tolist() == [1] * 6
+
+
+def test_an_upgrade_cut_short_is_done_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "r.zarr"
+    old = [make_outcome(i) for i in range(3)]
+    _write_format_1(path, old)
+    real, made = rl._create_array, []
+
+    def create_array(group, name, *args, **kwargs):
+        if made:
+            raise OSError("simulated crash mid-upgrade")
+        made.append(name)
+        real(group, name, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(rl, "_create_array", create_array)
+        with pytest.raises(OSError, match="mid-upgrade"):
+            RolloutLog(path)
+    raw = zarr.open_group(path, mode="r")
+    assert raw.attrs["format_version"] == 1 and made[0] in raw.array_keys()  # one array made, version not bumped
+    r = read_rollouts(path)  # still a readable format-1 store
+    for i, o in enumerate(old):
+        assert_group_equal(r.group(i), o)
+    log = RolloutLog(path)
+    log.append(make_outcome(3, episodes=True))
+    log.close()
+    r = read_rollouts(path)
+    assert r.attrs["format_version"] == 2
+    for i, o in enumerate(old + [make_outcome(3, episodes=True)]):
+        assert_group_equal(r.group(i), o)
