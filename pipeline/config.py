@@ -79,7 +79,7 @@ class ModelConfig:
 class TaskConfig:
     """The built-in task, used when data.train is empty (research code may pass its own prompts and reward)."""
 
-    name: Literal["char_class", "copy"] = "char_class"  # see pipeline.tasks for what each rewards
+    name: Literal["char_class", "copy", "calculator"] = "char_class"  # see pipeline.tasks; calculator is multi-turn
     num_prompts: int = 512  # size of the prompt set; the source cycles through it in epochs
     seed: int = 0  # which prompts are drawn
 
@@ -166,6 +166,25 @@ class EvalConfig:
         _check(self.every >= 0, "eval.every", ">= 0 (0 = off)", self.every)
         _check(self.n >= 1, "eval.n", ">= 1", self.n)
         _check(self.max_prompts >= 0, "eval.max_prompts", ">= 0 (0 = all)", self.max_prompts)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """[env]: multi-turn episodes. Each of a group's n completions is one episode of an environment."""
+
+    factory: str = ""  # "package.module:Class" or "path/to/file.py:Class" (any callable making one environment); "" = single-turn, or task.name's own
+    max_turns: int = 4  # policy turns per episode at most; the episode ends after the last
+    max_episode_tokens: int = 0  # prompt + every turn + every reply, at most; 0 = the engine's context. Reaching it ends the episode, finish reason "length"
+    step_timeout_s: float = 60.0  # an environment's reset or step taking longer fails its group
+    reward: Literal["env", "functions", "sum"] = "env"  # the environment's summed reward, the reward functions on the transcript, or both added
+
+    def __post_init__(self) -> None:
+        _check(not self.factory or _REWARD_ENTRY.fullmatch(self.factory) is not None, "env.factory",
+               '"package.module:Class" or "path/to/file.py:Class"', self.factory)
+        _check(self.max_turns >= 1, "env.max_turns", ">= 1", self.max_turns)
+        _check(self.max_episode_tokens >= 0, "env.max_episode_tokens", ">= 0 (0 = the engine's context)",
+               self.max_episode_tokens)
+        _check(self.step_timeout_s > 0, "env.step_timeout_s", "> 0", self.step_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -277,6 +296,7 @@ class SimulatedEngineConfig:
     """A model-free engine with a set speed, for tests and benchmarks."""
 
     latency_s: float = 0.0  # seconds per group
+    turn_latency_s: float = 0.0  # seconds per later turn of an episode (one request per live episode, n = 1)
     concurrency: int = 0  # groups it works on at once; 0 = unlimited
     completion_tokens: int = 16  # tokens per completion
     vocab_size: int = 128  # synthetic token ids are drawn below this
@@ -289,6 +309,7 @@ class SimulatedEngineConfig:
         _check(0 <= self.fail_rate <= 1, "engine.simulated.fail_rate", "in [0, 1]", self.fail_rate)
         _check(0 <= self.hang_rate <= 1, "engine.simulated.hang_rate", "in [0, 1]", self.hang_rate)
         _check(self.latency_s >= 0, "engine.simulated.latency_s", ">= 0", self.latency_s)
+        _check(self.turn_latency_s >= 0, "engine.simulated.turn_latency_s", ">= 0", self.turn_latency_s)
         _check(self.concurrency >= 0, "engine.simulated.concurrency", ">= 0 (0 = unlimited)", self.concurrency)
         _check(self.completion_tokens >= 1, "engine.simulated.completion_tokens", ">= 1", self.completion_tokens)
         _check(self.vocab_size >= 2, "engine.simulated.vocab_size", ">= 2", self.vocab_size)
@@ -479,6 +500,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -490,7 +512,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check_seed("seed", self.seed)
         _check_path("out", self.out)
-        if self.data.train and not self.reward.functions:
+        if self.data.train and not self.reward.functions and not (self.env.factory and self.env.reward == "env"):
             raise ConfigError(f"data.train = {_show(self.data.train)} needs reward.functions: the reward of your "
                               'prompts, e.g. functions = ["my_rewards.py:correct"] under [reward]')
         bad = self.sampling.off_policy_settings()

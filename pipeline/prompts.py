@@ -11,13 +11,18 @@ Invariants:
   `apply_chat_template`, when it becomes one user message. `Prompt.text` is what the model sees.
 - `build` returns a Prompt or raises `PromptError` whose `reason` is one of REASONS, with a
   message naming the row; it never lets a tokenizer's or template's own exception escape.
+
+An environment's observation in a multi-turn episode becomes tokens appended after the policy's
+sampled ones (`render_observation`), so the policy's tokens are never tokenized again: in chat,
+prompt + turn + reply tokens are the template's rendering of the whole conversation, token for
+token, where the turn ends with the template's end-of-turn token (`end_of_turn_token`).
 """
 
 from __future__ import annotations
 
 import operator
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from pipeline.errors import ConfigError, PromptError
 from pipeline.types import Prompt
@@ -127,3 +132,79 @@ class PromptBuilder:
             raise _refuse("template_error", f"prompt {pid!r}: the chat template rendered {type(text).__name__}, "
                                             "not text")
         return text
+
+
+# The dummy assistant turn's content: found again in the rendering, so what the template writes
+# after it (the end of the turn, the observation, the next generation prompt) can be cut out.
+_TURN_MARK = "PIPELINEASSISTANTTURN"
+
+
+def _observation_messages(observation: Any) -> list[dict[str, Any]]:
+    """A string as one user message, a message as a list of one; PromptError if it is not messages."""
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    messages = [observation] if isinstance(observation, Mapping) else observation
+    if not isinstance(messages, (list, tuple)) or not messages or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise _refuse("malformed", f"an observation must be a string or {{role, content}} messages, "
+                                   f"got {str(observation)[:60]!r}")
+    return [dict(m) for m in messages]
+
+
+def _render_turn(tokenizer: Any, chat_template: str | None, after: list[dict[str, Any]],
+                 generation_prompt: bool) -> str:
+    """The template's text after the dummy assistant turn's content, when `after` follows it."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise _refuse("no_chat_template", f"the tokenizer ({type(tokenizer).__name__}) has no chat template to "
+                                          "render an observation with; set data.chat_template to a jinja file")
+    conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _TURN_MARK}, *after]
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    except Exception as e:  # a template that cannot render this observation (jinja raises its own types)
+        raise _refuse("template_error",
+                      f"the chat template failed on an observation: {type(e).__name__}: {e}") from None
+    if not isinstance(text, str) or text.count(_TURN_MARK) != 1:
+        raise _refuse("template_error", "the chat template does not render an assistant turn's content once, "
+                                        "as it is; observations cannot be appended to its turns")
+    return text.partition(_TURN_MARK)[2]
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    return set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+
+
+def end_of_turn_token(tokenizer: Any, chat_template: str | None = None) -> int | None:
+    """The special token that closes an assistant turn in the chat template (ChatML: <|im_end|>),
+    None if the template closes turns with plain text. A chat policy's turn should stop at it."""
+    close = tokenizer(_render_turn(tokenizer, chat_template, [], False), add_special_tokens=False)["input_ids"]
+    return close[0] if close and close[0] in _special_ids(tokenizer) else None
+
+
+def render_observation(tokenizer: Any, observation: Any, *, chat: bool, chat_template: str | None = None,
+                       turn_ended: bool = True) -> list[int]:
+    """The token ids to append after a policy turn's sampled tokens: the environment's observation
+    and, in chat, the template's text that frames it, up to the next assistant turn's start.
+
+    chat=False: the observation's text (of a message list, the contents joined) tokenized as it is.
+    chat=True: the observation as messages (a string is one user message; "tool" messages keep
+    their role) rendered by the template after an assistant turn, with the generation prompt:
+    what follows the turn's end-of-turn token (ChatML: "\n<|im_start|>tool\n...<|im_end|>\n
+    <|im_start|>assistant\n"). `turn_ended=False` (the turn was cut at max_new_tokens, so no
+    end-of-turn token was sampled): the end-of-turn token comes first. A template that ends
+    turns without a special token writes its closing text in either case.
+
+    Tokenized without added special tokens. PromptError (reason "malformed", "no_chat_template"
+    or "template_error") when the observation or the template cannot make one.
+    """
+    messages = _observation_messages(observation)
+    if not chat:
+        text = "".join(m["content"] for m in messages)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    tail = _render_turn(tokenizer, chat_template, messages, True)
+    ids = list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    if turn_ended and ids and ids[0] == end_of_turn_token(tokenizer, chat_template):
+        ids = ids[1:]
+    return ids
