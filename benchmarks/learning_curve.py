@@ -9,8 +9,9 @@ Both runs use the same seed, prompts, engine and settings; the only difference i
 rate, so the gap between the reward curves is what training bought. With vLLM, one engine is
 started once and serves both runs (the Pipeline does not close engines it did not build). Where
 the config evaluates ([eval] every > 0), each run's eval rounds (held-out prompts) are kept too.
-Writes learning_curve_<engine>_<shape>_<hardware>.json (learning_curve_<task>_... for a data.train
-task, named after its folder) and a PNG of both curves.
+Writes learning_curve_<engine>_<shape>_<hardware>.json (learning_curve_<task>_... for another task:
+a data.train task named after its folder, an env.factory after its file, a built-in one by its
+name) and a PNG of both curves.
 """
 
 from __future__ import annotations
@@ -112,12 +113,14 @@ async def main(args: argparse.Namespace) -> dict:
             await engines[0].close()
     gap = runs["trained"]["reward_final_window"] - runs["lr0"]["reward_final_window"]
     hw = hardware()
-    task = Path(cfg.data.train).resolve().parent.name if cfg.data.train else cfg.task.name
+    task = Path(cfg.data.train).resolve().parent.name if cfg.data.train else \
+        Path(cfg.env.factory.partition(":")[0]).stem if cfg.env.factory else cfg.task.name
     result = {"settings": {**overrides, "lr": runs["trained"]["lr"], "group_size": cfg.sampling.n,
                            "max_new_tokens": cfg.sampling.max_new_tokens, "task": task, "config": args.config},
               "hardware": hw, "runs": runs, "final_window_gap": gap}
     tag = "_".join(x.replace(" ", "-") for x in hw.get("gpus", [hw["cpu"]])[:1])
-    name = f"learning_curve_{task + '_' if cfg.data.train else ''}{args.engine}_{args.model_shape}_{tag}"
+    named = cfg.data.train or cfg.env.factory or task != "char_class"  # the default task's files keep their names
+    name = f"learning_curve_{task + '_' if named else ''}{args.engine}_{args.model_shape}_{tag}"
     (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     try:
         import matplotlib

@@ -4,20 +4,26 @@ prompt sets, each by kind.
 Invariants:
 - Bad input found here is a ConfigError naming the key (a CUDA device this machine lacks, a
   model.path that gives no tokenizer, no eval prompts while eval.every is set).
-- Nothing here starts anything: engines and the trainer are built, not started.
+- Nothing here starts anything but `start`: engines and the trainer are built, not started;
+  `start` and `close` bound every wait by a timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import structlog
+
 from pipeline.config import RunConfig
 from pipeline.engines.base import Engine
-from pipeline.errors import ConfigError
-from pipeline.tasks import build_task
+from pipeline.errors import ConfigError, EngineDeadError
+from pipeline.tasks import PromptSource, build_task
+
+log = structlog.get_logger(__name__)
 
 
 def check_devices(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool) -> None:
@@ -30,6 +36,33 @@ def check_devices(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool)
     if builds_trainer and cfg.trainer.kind == "peft":
         named.append(("trainer.device", cfg.trainer.device))
     check_cuda_devices(named)
+
+
+def rewards(cfg: RunConfig, reward: Any, weights: Sequence[float] | None, own_prompts: bool,
+            env: bool = False) -> tuple[Any, Sequence[float] | None]:
+    """(reward, weights): the caller's, reward.functions imported (a bad entry fails before anything
+    is written), or None for the built-in task's. Own prompts without a reward are refused, unless
+    an environment rewards them (env.reward = "env")."""
+    if reward is None and cfg.reward.functions:
+        from pipeline.rewards import load_reward_function
+
+        reward = [load_reward_function(e, f"reward.functions[{i}]") for i, e in enumerate(cfg.reward.functions)]
+        weights = weights or cfg.reward.weights or None
+    if reward is None and (own_prompts or cfg.data.train) and not (env and cfg.env.reward == "env"):
+        raise ValueError("your own prompts need a reward: pass reward=..., or set reward.functions in the config")
+    return reward, weights
+
+
+def environment(cfg: RunConfig, own_prompts: bool) -> Any:
+    """The factory of one environment per episode: env.factory imported (a bad entry is a ConfigError
+    naming it), or the built-in task's own (task.name = "calculator"); None for single-turn runs."""
+    if cfg.env.factory:
+        from pipeline.environments import load_environment_factory
+
+        return load_environment_factory(cfg.env.factory, "env.factory")
+    if own_prompts or cfg.data.train:
+        return None
+    return build_task(cfg.task, cfg.sampling.max_new_tokens).environment
 
 
 def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Sequence[Any] | None,
@@ -56,6 +89,33 @@ def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Seq
         raise ConfigError("eval.every is set but there are no eval prompts: set data.eval to a file "
                           "(or pass eval_prompts= to Pipeline)")
     return items, eval_items, reward or task.reward
+
+
+def prompt_source(cfg: RunConfig, items: list[Any], *, own: bool, epochs: int | None) -> PromptSource:
+    """The training prompts in epochs: data.train's in data.seed's order (data.shuffle), others by seed."""
+    data = own and bool(cfg.data.train)
+    return PromptSource(items, seed=cfg.data.seed if data else cfg.seed, epochs=epochs,
+                        shuffle=cfg.data.shuffle if data else True)
+
+
+def model_and_tokenizer(cfg: RunConfig, tokenizer: Any, *, engines: bool, trainer: bool) -> tuple[str | None, Any]:
+    """(model directory, tokenizer): the model when the pipeline builds engines or the trainer on it
+    or needs its tokenizer (`tokenizer` None); a caller's tokenizer, or False for none, is kept."""
+    needs_model = (engines and cfg.engine.kind != "simulated") or (trainer and cfg.trainer.kind == "peft") \
+        or tokenizer is None
+    path = model_dir(cfg) if needs_model else None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg, path)
+    return path, tokenizer or None
+
+
+def init_cuda(cfg: RunConfig) -> None:
+    """Initialise CUDA here, seeing every GPU, before a vLLM engine narrows CUDA_VISIBLE_DEVICES to
+    its own GPU while it starts (the trainer loads in a thread meanwhile)."""
+    if any(d.startswith("cuda") for d in (*cfg.engine.devices, cfg.trainer.device)):
+        import torch
+
+        torch.cuda.init()
 
 
 def model_dir(cfg: RunConfig) -> str:
@@ -93,6 +153,19 @@ def max_context(model_path: str | None) -> int | None:
     except (OSError, ValueError):  # a model without a readable config.json gets no length check
         return None
     return conf.get("max_position_embeddings")
+
+
+def prompt_builder(cfg: RunConfig, tokenizer: Any, model_path: str | None, engines: Sequence[Engine]) -> Any:
+    """Rows to Prompts, under the smallest context of the model and the started engines (a vLLM
+    server reports its --max-model-len)."""
+    from pipeline.prompts import PromptBuilder, read_chat_template
+
+    contexts = [n for n in (max_context(model_path), *(e.max_context for e in engines)) if n is not None]
+    dc = cfg.data
+    return PromptBuilder(tokenizer, max_new_tokens=cfg.sampling.max_new_tokens,
+                         max_context=min(contexts) if contexts else None, prompt_field=dc.prompt_field,
+                         apply_chat_template=dc.apply_chat_template, system_prompt=dc.system_prompt,
+                         chat_template=read_chat_template(dc.chat_template) if dc.chat_template else None)
 
 
 def build_engines(cfg: RunConfig, model_path: str | None, start_step: int) -> list[Engine]:
@@ -139,3 +212,42 @@ def build_trainer(cfg: RunConfig, model_path: str | None) -> Any:
     cls = ProcessTrainer if cfg.trainer.separate_process else LoRATrainer
     return cls(model_path, cfg.trainer, cfg.loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
                keep_versions=cfg.pipeline.max_staleness + 2)
+
+
+def episodes(cfg: RunConfig, factory: Any, builder: Any, tokenizer: Any) -> Any:
+    """The runner of each group's episodes with `factory`'s environments; None for single turns."""
+    if factory is None:
+        return None
+    if tokenizer is None:
+        raise ConfigError("an environment needs the model's tokenizer (its actions are text, its replies are "
+                          "rendered to tokens); Pipeline(tokenizer=False) cannot run episodes")
+    from pipeline.episodes import Episodes
+
+    return Episodes(factory, cfg=cfg.env, builder=builder, tokenizer=tokenizer,
+                    max_new_tokens=cfg.sampling.max_new_tokens, request_timeout_s=cfg.engine.request_timeout_s)
+
+
+async def start(engines: Sequence[Engine], trainer: Any, timeout: float) -> None:
+    """Start the engines and the trainer concurrently (both are slow), under engine.start_timeout_s,
+    each to its end: shutdown closing one still starting raced its start, and whichever failed first
+    (engines, then the trainer) is the error."""
+    try:
+        async with asyncio.timeout(timeout):
+            started = await asyncio.gather(*(e.start() for e in engines), asyncio.to_thread(trainer.setup),
+                                           return_exceptions=True)
+    except TimeoutError:
+        raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
+                              f"{timeout} s") from None
+    for result in started:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def close(engines: Sequence[Engine], trainer: Any, timeout: float) -> None:
+    """Close what the pipeline built: the trainer (if any), then the engines, each under `timeout`."""
+    if trainer is not None:
+        await asyncio.to_thread(trainer.close)
+    results = await asyncio.gather(*(asyncio.wait_for(e.close(), timeout) for e in engines), return_exceptions=True)
+    for e, r in zip(engines, results):
+        if isinstance(r, BaseException):
+            log.error("engine_close_failed", engine=e.name, error=repr(r))

@@ -20,6 +20,7 @@ import signal
 CRASH_POINTS = (
     "admission",              # a group was admitted, its task not yet started
     "group.after_generate",   # an engine returned a group, not yet scored or buffered
+    "episode.after_step",     # an episode's environment answered a turn, the next turn not yet asked for
     "step.after_train",       # the trainer stepped, nothing published yet
     "publish.before_rename",  # adapter files written and fsynced into the temporary directory
     "publish.after_rename",   # the version directory exists, the pipeline has not seen it

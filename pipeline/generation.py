@@ -10,6 +10,9 @@ Invariants:
   it; a group that call failed goes on alone through the per-group retries.
 - Every generated group goes on to scoring (`accept`); every failed one is settled through
   `Outcomes`. Nothing here touches the buffer or the ledger itself.
+- With an environment (`episodes`), an attempt is the group's n episodes from their start on one
+  engine (`Episodes.run`): an engine failure in any turn fails the attempt, retried from the
+  first turn; an environment's failure (EnvError) fails the group with its reason, no retry.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import structlog
 from pipeline.buffer import Admission
 from pipeline.config import EngineConfig
 from pipeline.engines.base import Engine
+from pipeline.environments import EnvError
+from pipeline.episodes import Episodes
 from pipeline.errors import EngineDeadError, GenerationError, RecoverableError
 from pipeline.outcomes import Outcomes
 from pipeline.rotation import EngineRotation
@@ -41,8 +46,9 @@ class Generator:
     """Engine calls for admitted groups and for evaluation rounds, with their retries."""
 
     def __init__(self, *, rotation: EngineRotation, versions: Versions, outcomes: Outcomes, cfg: EngineConfig,
-                 spawn: Callable[[Any, str], asyncio.Task[Any]], accept: Accept) -> None:
+                 spawn: Callable[[Any, str], asyncio.Task[Any]], accept: Accept, episodes: Episodes | None = None) -> None:
         self.rotation = rotation
+        self.episodes = episodes  # an environment task: each group's n episodes in place of one call
         self.versions = versions
         self.outcomes = outcomes
         self.cfg = cfg
@@ -94,16 +100,27 @@ class Generator:
                 await asyncio.sleep(self.cfg.retry_backoff_s * 2 ** (attempt - 1))
             async with self.rotation.call() as (engine, epoch):
                 try:
-                    async with asyncio.timeout(self.cfg.request_timeout_s):
-                        gen = await engine.generate(request, self.versions.adapters[adm.version])
+                    gen = await self._sample(engine, request, self.versions.adapters[adm.version])
                     self.rotation.succeeded(engine)
                     return gen
-                except ENGINE_ERRORS as e:
+                except (EnvError, *ENGINE_ERRORS) as e:
                     error = e
+            if isinstance(error, EnvError):  # the environment's failure: the group's, not the engine's
+                log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=error.reason,
+                            error=str(error))
+                await self.outcomes.settle_failed(adm.group_id, error.reason, None, None)
+                return None
             self.rotation.failed(engine, error, epoch)
             attempt = await self._after_failed_attempt(adm, engine, error, attempt)
             if attempt < 0:
                 return None
+
+    async def _sample(self, engine: Engine, request: GroupRequest, adapter: AdapterRef) -> Generation:
+        """One attempt at a group: one engine call, or the group's episodes (each turn under the timeout)."""
+        if self.episodes is not None:
+            return await self.episodes.run(engine, request, adapter)
+        async with asyncio.timeout(self.cfg.request_timeout_s):
+            return await engine.generate(request, adapter)
 
     async def _after_failed_attempt(self, adm: Admission, engine: Engine, error: BaseException, attempt: int) -> int:
         """The attempt to retry next, or -1: the group failed for good (settled here).
@@ -142,11 +159,18 @@ class Generator:
                     await asyncio.sleep(cfg.retry_backoff_s * 2 ** (attempt - 1))
                 async with self.rotation.call() as (engine, epoch):
                     try:
-                        async with asyncio.timeout(cfg.request_timeout_s):
-                            if len(todo) == 1:
-                                got: list[Any] = [await engine.generate(part[todo[0]], ref)]
-                            else:
-                                got = list(await engine.generate_many([part[i] for i in todo], ref))
+                        if self.episodes is not None:  # each group its episodes, all at once
+                            got: list[Any] = list(await asyncio.gather(
+                                *(self._sample(engine, part[i], ref) for i in todo), return_exceptions=True))
+                            if failed := [g for g in got if isinstance(g, BaseException)
+                                          and not isinstance(g, (EnvError, *ENGINE_ERRORS))]:
+                                raise failed[0]
+                        else:
+                            async with asyncio.timeout(cfg.request_timeout_s):
+                                if len(todo) == 1:
+                                    got = [await engine.generate(part[todo[0]], ref)]
+                                else:
+                                    got = list(await engine.generate_many([part[i] for i in todo], ref))
                         if len(got) != len(todo):
                             raise GenerationError(f"engine {engine.name} returned {len(got)} results for "
                                                   f"{len(todo)} groups")
@@ -154,7 +178,7 @@ class Generator:
                         got = [e] * len(todo)
                 for i, r in zip(todo, got):
                     out[i] = r
-                todo = [i for i in todo if not isinstance(out[i], Generation)]
+                todo = [i for i in todo if not isinstance(out[i], (Generation, EnvError))]  # an env's failure is final
                 if not todo:
                     self.rotation.succeeded(engine)
                     break

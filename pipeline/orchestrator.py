@@ -5,6 +5,7 @@
                   staleness bound            EngineRotation, retried           filters              ▼ batch
     serving version ◄─ Versions.adapter_loop ◄─ AdapterStore.publish ◄──────── Training.train_loop
                        verify, load on every engine  (shared filesystem)       trainer.step (thread)
+    Episodes (with an environment) ─► in place of one engine call: the group's n episodes, turn by turn
     Evaluator.eval_loop ─► rounds at step 0, every eval.every steps and at the end, on the same engines
     Outcomes ─► ledger + RolloutLog (zarr): every group that leaves, once: trained at step s, dropped,
                 failed, or an eval group; flush_loop writes them about once a second
@@ -29,38 +30,33 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Sequence
 
 import structlog
 
 from pipeline import build
 from pipeline.admission import Admitter
-from pipeline.buffer import BufferClosed, RolloutBuffer
+from pipeline.buffer import RolloutBuffer
 from pipeline.config import RunConfig
-from pipeline.config_io import dump_toml
-from pipeline.errors import ConfigError, EngineDeadError, TrainerError
 from pipeline.evaluation import MAX_EVAL_PROMPTS, Evaluator, is_due
+from pipeline.episodes import EpisodeRows
 from pipeline.generation import Generator
 from pipeline.log import close_logging, configure_logging
-from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter
+from pipeline.metrics import LoopLagMonitor
 from pipeline.outcomes import Outcomes
-from pipeline.prompts import PromptBuilder, read_chat_template
 from pipeline.protocols import BatchEngine, Engine, Trainer
 from pipeline.reporting import Reporting
 from pipeline.rewards import RewardFn, RewardScorer
 from pipeline.rotation import EngineRotation
-from pipeline.runtime import Runtime
-from pipeline.scoring import Scoring, Texts
-from pipeline.session import open_session
-from pipeline.tasks import PromptSource
-from pipeline.trackers import open_trackers
+from pipeline.runtime import Runtime, Supervisor
+from pipeline.scoring import Scoring, Texts, reward_names
+from pipeline.session import continue_trainer, open_session, refuse_existing_run, write_config
 from pipeline.training import Training
 from pipeline.versions import VersionPins, Versions
 
@@ -91,19 +87,14 @@ class Pipeline:
                  engines: Sequence[Engine] | None = None, trainer: Trainer | None = None,
                  tokenizer: Any | None = None, run_dir: str | Path | None = None, epochs: int | None = None,
                  console: bool = True, resume: bool = False, handle_signals: bool = False,
-                 eval_prompts: Iterable[Any] | None = None, force_resume: bool = False) -> None:
+                 eval_prompts: Iterable[Any] | None = None, force_resume: bool = False,
+                 environment: Callable[[], Any] | None = None) -> None:
         self.config = cfg = config or RunConfig()
-        if reward is None and cfg.reward.functions:  # imported now: a bad entry fails before anything is written
-            from pipeline.rewards import load_reward_function
-
-            reward = [load_reward_function(e, f"reward.functions[{i}]") for i, e in enumerate(cfg.reward.functions)]
-            reward_weights = reward_weights or cfg.reward.weights or None
-        if reward is None and (prompts is not None or cfg.data.train):
-            raise ValueError("your own prompts need a reward: pass reward=..., or set reward.functions in the config")
+        self._environment = environment or build.environment(cfg, prompts is not None)  # None: single-turn
+        self._user_reward, self._reward_weights = build.rewards(cfg, reward, reward_weights, prompts is not None,
+                                                                env=self._environment is not None)
         self._user_prompts = prompts  # None: data.train's rows, or the built-in task's prompts
         self._user_eval_prompts = eval_prompts  # None: data.eval's rows, or the built-in task's held-out prompts
-        self._user_reward = reward  # None: the built-in task's reward
-        self._reward_weights = reward_weights
         self._user_engines = list(engines) if engines is not None else None
         self._user_trainer = trainer
         self._tokenizer = tokenizer  # False: no text (prompts carry token ids)
@@ -139,10 +130,8 @@ class Pipeline:
 
     async def steps(self) -> AsyncIterator[StepResult]:
         """Yield each step's result as it completes. Leaving the loop early shuts the run down."""
-        if not self._resume and ((self.run_dir / "rollouts.zarr").exists() or (self.run_dir / "checkpoints").exists()):
-            # before anything is written: the files there are another run's
-            raise ConfigError(f"run directory {self.run_dir} already holds a run; continue it with "
-                              f"python run.py --resume {self.run_dir}, or choose another out directory")
+        if not self._resume:
+            refuse_existing_run(self.run_dir)  # before anything is written: the files there are another run's
         queue: asyncio.Queue[Any] = asyncio.Queue()
         runner = asyncio.get_running_loop().create_task(self._run(queue), name="pipeline-run")
         try:
@@ -177,19 +166,13 @@ class Pipeline:
 
     # ================================================================== the run
 
-    def _write_config(self) -> None:
-        """The resolved config as <run dir>/config.toml: `run.py --config` it to repeat the run."""
-        (self.run_dir / "config.toml").write_text(dump_toml(replace(self.config, out=str(self.run_dir))),
-                                                  encoding="utf-8")
-
     async def _run(self, queue: asyncio.Queue[Any]) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self._resume:  # a resumed run's config.toml is replaced only once the session accepts the resume
-            self._write_config()
+            write_config(self.config, self.run_dir)
         configure_logging(self.run_dir, self.config.log.level, console=self._console)
         self._queue = queue
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+        self.supervisor = Supervisor()
         self._stop = asyncio.Event()
         self._ready = False  # set-up has finished: shutdown has groups to account for and a summary to write
         self._built_engines: list[Engine] = []
@@ -222,51 +205,37 @@ class Pipeline:
         # prompts and rewards first: a bad data file is said before a model is built
         items, eval_items, reward = await asyncio.to_thread(build.prompt_sets, cfg, self._user_prompts,
                                                             self._user_eval_prompts, self._user_reward)
-        own_data = bool(cfg.data.train) and self._user_prompts is None
-        self.source = PromptSource(items, seed=cfg.data.seed if own_data else cfg.seed, epochs=self._epochs,
-                                   shuffle=cfg.data.shuffle if own_data else True)
+        self.source = build.prompt_source(cfg, items, own=self._user_prompts is None, epochs=self._epochs)
         self.scorer = RewardScorer(reward, self._reward_weights)
+        env_reward = cfg.env.reward if self._environment is not None else None
         # what a checkpoint must have been trained on to be resumed: hashed once, off the loop
-        fingerprint = {"data": await asyncio.to_thread(self.source.fingerprint), "reward": self.scorer.names}
-        needs_model = (self._user_engines is None and cfg.engine.kind != "simulated") or \
-            (self._user_trainer is None and cfg.trainer.kind == "peft") or self._tokenizer is None
-        self.model_path = await asyncio.to_thread(build.model_dir, cfg) if needs_model else None
-        if self._tokenizer is None:
-            self._tokenizer = await asyncio.to_thread(build.load_tokenizer, cfg, self.model_path)
-        self.tokenizer = self._tokenizer or None
+        fingerprint = {"data": await asyncio.to_thread(self.source.fingerprint),
+                       "reward": reward_names(self.scorer, env_reward)}
+        self.model_path, self.tokenizer = await asyncio.to_thread(
+            build.model_and_tokenizer, cfg, self._tokenizer, engines=self._user_engines is None,
+            trainer=self._user_trainer is None)
 
         session = await asyncio.to_thread(open_session, cfg, self.run_dir, resume=self._resume,
                                           force=self._force_resume, fingerprint=fingerprint, total=self.source.total,
-                                          model_path=self.model_path, write_config=self._write_config)
+                                          model_path=self.model_path)
         self.start_step, self.start_version = session.start_step, session.start_version
         self.ledger, self.rollout_log, self.store = session.ledger, session.rollout_log, session.store
         self._closers.append(self.rollout_log)
         self.metrics_rows[:], self.eval_rows[:] = session.step_rows, session.eval_rows
-        metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
-        trackers = await asyncio.to_thread(open_trackers, cfg.log.trackers, self.run_dir,
-                                           replace(cfg, out=str(self.run_dir))) if cfg.log.trackers else None
-        self.trainer_busy = trainer_busy = BusyMeter()
-        self.reporting = Reporting(run_dir=self.run_dir, metrics=metrics, trackers=trackers, rows=self.metrics_rows,
-                                   base=self.ledger.fates, wall0=session.wall0, lag=self.lag,
-                                   trainer_busy=trainer_busy, timeline=self.timeline)
+        self.reporting = await Reporting.open(cfg, self.run_dir, rows=self.metrics_rows, base=self.ledger.fates,
+                                              wall0=session.wall0, lag=self.lag, timeline=self.timeline)
         self._closers.append(self.reporting)
 
         self.runtime.share_cpu()
-        if any(d.startswith("cuda") for d in (*cfg.engine.devices, cfg.trainer.device)):
-            import torch
-
-            # Initialise CUDA here, seeing every GPU, before a vLLM engine narrows CUDA_VISIBLE_DEVICES
-            # to its own GPU while it starts; the trainer loads in a thread meanwhile.
-            torch.cuda.init()
+        build.init_cuda(cfg)
         self.engines = self._user_engines or build.build_engines(cfg, self.model_path, self.start_step)
-        if self._user_engines is None:
-            self._built_engines = list(self.engines)
+        self._built_engines = [] if self._user_engines else list(self.engines)
         self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
                                     max_groups=(pc.steps - self.start_step) * pc.batch_groups,
                                     start_version=self.start_version)
         self.outcomes = Outcomes(self.ledger, self.rollout_log, self.buffer)
         self.rotation = EngineRotation(self.engines, built=self._user_engines is None, cfg=cfg.engine,
-                                       close_timeout_s=pc.shutdown_timeout_s, spawn=self._spawn,
+                                       close_timeout_s=pc.shutdown_timeout_s, spawn=self.supervisor.spawn,
                                        refs_in_use=lambda: self.versions.refs_in_use(),
                                        load_one=lambda e, ref: self.versions.load_one(e, ref))
         pins = VersionPins()  # versions evaluation rounds sample with
@@ -274,41 +243,37 @@ class Pipeline:
                                  max_staleness=pc.max_staleness, load_timeout_s=cfg.engine.load_timeout_s,
                                  full_weights=cfg.trainer.update == "full", start_version=self.start_version)
         self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path)
-        await self._start_engines_and_trainer()
-        # each engine reports its context once started (a vLLM server, its --max-model-len): prompts fit the smallest
-        contexts = [n for n in (build.max_context(self.model_path), *(e.max_context for e in self.engines))
-                    if n is not None]
-        dc = cfg.data
-        builder = PromptBuilder(self.tokenizer, max_new_tokens=cfg.sampling.max_new_tokens,
-                                max_context=min(contexts) if contexts else None, prompt_field=dc.prompt_field,
-                                apply_chat_template=dc.apply_chat_template, system_prompt=dc.system_prompt,
-                                chat_template=read_chat_template(dc.chat_template) if dc.chat_template else None)
+        await build.start(self.engines, self.trainer, cfg.engine.start_timeout_s)
+        builder = build.prompt_builder(cfg, self.tokenizer, self.model_path, self.engines)  # needs started engines
         if session.checkpoint is not None:
-            await self._continue_trainer(session.checkpoint)
+            await continue_trainer(self.trainer, session.checkpoint, self.store, self.versions, self.start_version)
 
         texts = Texts(self.tokenizer)
         self.scoring = Scoring(texts=texts, scorer=self.scorer, buffer=self.buffer, ledger=self.ledger,
                                outcomes=self.outcomes, filter_zero_advantage=pc.filter_zero_advantage,
-                               spans=self.timeline["generation"])
+                               spans=self.timeline["generation"], env_reward=env_reward)
+        episodes = build.episodes(cfg, self._environment, builder, self.tokenizer)
         self.generator = Generator(rotation=self.rotation, versions=self.versions, outcomes=self.outcomes,
-                                   cfg=cfg.engine, spawn=self._spawn, accept=self.scoring.accept)
-        batch = pc.batch_groups if all(isinstance(e, BatchEngine) for e in self.engines) else 1
-        self.admitter = Admitter(ledger=self.ledger, source=self.source, builder=builder, buffer=self.buffer,
+                                   cfg=cfg.engine, spawn=self.supervisor.spawn, accept=self.scoring.accept,
+                                   episodes=episodes)
+        batch = pc.batch_groups if all(isinstance(e, BatchEngine) for e in self.engines) and not episodes else 1
+        rows = EpisodeRows() if episodes else builder  # an episode's prompt is its first observation
+        self.admitter = Admitter(ledger=self.ledger, source=self.source, buffer=self.buffer, builder=rows,
                                  outcomes=self.outcomes, generator=self.generator, sampling=cfg.sampling,
-                                 seed=cfg.seed, max_wave=batch, spawn=self._spawn)
+                                 seed=cfg.seed, max_wave=batch, spawn=self.supervisor.spawn)
         eval_items = eval_items[:cfg.eval.max_prompts or MAX_EVAL_PROMPTS] if cfg.eval.every else []
-        self.evaluator = Evaluator(eval_items, cfg=cfg.eval, sampling=cfg.sampling, seed=cfg.seed, builder=builder,
+        self.evaluator = Evaluator(eval_items, cfg=cfg.eval, sampling=cfg.sampling, seed=cfg.seed, builder=rows,
                                    generator=self.generator, versions=self.versions, pins=pins, scorer=self.scorer,
                                    texts=texts, outcomes=self.outcomes, write_row=self.reporting.write, batch=batch,
                                    done=session.eval_done, rows=self.eval_rows) if eval_items else None
         self.reporting.watch(buffer=self.buffer, rotation=self.rotation, versions=self.versions,
-                             generator=self.generator, scoring=self.scoring, reward_names=self.scorer.names,
+                             generator=self.generator, scoring=self.scoring, reward_names=self.scoring.names,
                              full_weights=cfg.trainer.update == "full")
         self.training = Training(
             cfg=cfg, trainer=self.trainer, store=self.store, buffer=self.buffer, ledger=self.ledger,
             rollout_log=self.rollout_log, outcomes=self.outcomes, versions=self.versions,
             checkpoints=session.checkpoints, reporting=self.reporting, evaluator=self.evaluator,
-            trainer_busy=trainer_busy, timeline=self.timeline["training"], stop=self._stop,
+            trainer_busy=self.reporting.trainer_busy, timeline=self.timeline["training"], stop=self._stop,
             on_step=lambda step, version, row: self._queue.put_nowait(StepResult(step, version, row)),
             fingerprint=fingerprint, start_step=self.start_step, start_version=self.start_version,
             checkpoint_step=session.checkpoint.step if session.checkpoint else None,
@@ -319,87 +284,32 @@ class Pipeline:
                  model=self.model_path, setup_s=round(self.setup_s, 2), batch_groups=pc.batch_groups,
                  max_staleness=pc.max_staleness, group_size=cfg.sampling.n)
 
-    async def _start_engines_and_trainer(self) -> None:
-        """Start them concurrently (both are slow), each under engine.start_timeout_s, each to its end:
-        shutdown closing one still starting raced its start, and whichever failed first was the error."""
-        timeout = self.config.engine.start_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                started = await asyncio.gather(*(e.start() for e in self.engines),
-                                               asyncio.to_thread(self.trainer.setup), return_exceptions=True)
-        except TimeoutError:
-            raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
-                                  f"{timeout} s") from None
-        for result in started:  # the first failure in a fixed order: engines, then the trainer
-            if isinstance(result, BaseException):
-                raise result
-
-    async def _continue_trainer(self, ck: Any) -> None:
-        """The trainer continues from the checkpoint; its version is published again (the same bytes, the
-        same directory name) and every engine serves it before the first group."""
-        await asyncio.to_thread(self.trainer.load_state, ck.trainer_dir)
-        if self.trainer.version != self.start_version:
-            raise TrainerError(f"checkpoint {ck.path} holds trainer version {self.trainer.version}, "
-                               f"its ledger says {self.start_version}")
-        ref = await asyncio.to_thread(self.store.publish, self.start_version, self.trainer.save_adapter)
-        await self.versions.load_on_engines(ref)
-        self.versions.adapters[self.start_version] = ref
-
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-        return task
-
-    def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None and not isinstance(exc, BufferClosed) and not self._failure.done():
-            self._failure.set_result(exc)
-
     async def _main(self) -> None:
         """The loops, supervised: the run ends when training does or when any loop fails."""
         self.runtime.enter(self._on_signal if self._handle_signals else None)
         self.lag.start()
         self._t_start = time.monotonic()
         self.reporting.start()
-        self._spawn(self.admitter.admission_loop(), "admission-loop")
-        self._spawn(self.versions.adapter_loop(), "adapter-loop")
-        self._spawn(self.outcomes.flush_loop(), "rollout-log-flush-loop")
+        self.supervisor.spawn(self.admitter.admission_loop(), "admission-loop")
+        self.supervisor.spawn(self.versions.adapter_loop(), "adapter-loop")
+        self.supervisor.spawn(self.outcomes.flush_loop(), "rollout-log-flush-loop")
         if self.evaluator is not None:
-            self._spawn(self.evaluator.eval_loop(), "eval-loop")
+            self.supervisor.spawn(self.evaluator.eval_loop(), "eval-loop")
             if is_due(self.start_step, self.config.eval.every, self.config.pipeline.steps):
                 self.evaluator.request(self.start_step)  # before the first step (again on resume, if it was cut)
-        train = self._spawn(self.training.train_loop(), "train-loop")
-        await asyncio.wait({train, self._failure}, return_when=asyncio.FIRST_COMPLETED)
-        if self._failure.done():
-            raise self._failure.result()
-        train.result()
+        await self.supervisor.until_done_or_failed(self.supervisor.spawn(self.training.train_loop(), "train-loop"))
 
     async def _shutdown(self, error: BaseException | None) -> None:
         """Cancel the loops, account for every group still in the system, close what set-up opened."""
         timeout = self.config.pipeline.shutdown_timeout_s
         wall = time.monotonic() - self._t_start
         self.runtime.remove_signal_handlers()
-        if self._ready:
+        if self._ready:  # the buffer first: no loop may take a group from it once cancelled
             left, _ = await self.buffer.close()
-            for g in left:
-                self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=timeout)
-            if pending:
-                log.error("shutdown_tasks_stuck", tasks=[t.get_name() for t in pending])
+            self.outcomes.drop_groups(left, "shutdown")
+        await self.supervisor.cancel_all(timeout)
         if self._ready:
-            training = self.training.training
-            self.buffer.abandon(training, "shutdown")
-            for g in training:
-                self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
-            self.training.training = []
+            self.outcomes.drop_groups(self.training.abandon("shutdown"), "shutdown")
             self.outcomes.drop_live("shutdown")
         await self.lag.stop()
         if self._user_engines and self._ready:
@@ -407,31 +317,16 @@ class Pipeline:
             for ref in [r for v, r in self.versions.adapters.items() if v > 0]:
                 await self.versions.unload_on_engines(ref, self._user_engines)
         self.runtime.restore()
-        if self._user_trainer is None and self.trainer is not None:
-            await asyncio.to_thread(self.trainer.close)
-        if self._built_engines:
-            results = await asyncio.gather(*(asyncio.wait_for(e.close(), timeout) for e in self._built_engines),
-                                           return_exceptions=True)
-            for e, r in zip(self._built_engines, results):
-                if isinstance(r, BaseException):
-                    log.error("engine_close_failed", engine=e.name, error=repr(r))
-        for closer in self._closers:
-            if closer is self.rollout_log:
-                await asyncio.to_thread(closer.close)
-            else:
-                await closer.close()
-        if self._ready and self.admitter.refusals.by_reason:  # what prompt_refused stopped logging
-            log.warning("prompts_refused", total=self.admitter.refusals.by_reason.total(),
-                        by_reason=dict(self.admitter.refusals.by_reason))
+        await build.close(self._built_engines, self.trainer if self._user_trainer is None else None, timeout)
+        for closer in self._closers:  # the RolloutLog's close is a last flush to disk: in a thread
+            await (asyncio.to_thread(closer.close) if closer is self.rollout_log else closer.close())
         if self._ready:
+            if self.admitter.refusals.by_reason:  # what prompt_refused stopped logging
+                log.warning("prompts_refused", total=self.admitter.refusals.by_reason.total(),
+                            by_reason=dict(self.admitter.refusals.by_reason))
             self.summary = self.reporting.summary(
                 wall=wall, error=error, setup_s=self.setup_s, ledger=self.ledger, rollout_log=self.rollout_log,
                 eval_rows=self.eval_rows, start_step=self.start_step, resumed=self._resume,
                 checkpoint_step=self.training.checkpoint_step, stopped_by=self.stopped_by)
-            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
-            await self.reporting.write_report(self._t_start)
-            level = "info" if self.summary["accounting_ok"] else "error"
-            getattr(log, level)("run_finished", **{k: v for k, v in self.summary.items()
-                                                   if k in ("steps", "wall_s", "groups_started", "groups_trained",
-                                                            "accounting_ok", "error")})
+            await self.reporting.finish(self.summary, self._t_start)
         close_logging()

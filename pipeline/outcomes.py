@@ -23,7 +23,7 @@ from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
 from pipeline.errors import FatalError
 from pipeline.ledger import Ledger
 from pipeline.rollout_log import RolloutLog
-from pipeline.types import Generation, GroupOutcome, Prompt
+from pipeline.types import Generation, GroupOutcome, Prompt, RolloutGroup
 
 MAX_CONSECUTIVE_FAILURES = 64  # this many groups failing in a row means the cause is not one group
 # pending RolloutLog groups, or completion tokens, that make the flush loop write before its
@@ -63,6 +63,8 @@ class Outcomes:
         outcomes = []
         for group_id, fate, reason, step, gen, rewards in items:
             prompt, version, t_adm = self.live.pop(group_id)
+            if gen is not None:  # an episode group's prompt is its first observation, known once generated
+                prompt = gen.request.prompt
             self.ledger.settle(group_id, fate, reason)
             outcomes.append(GroupOutcome(group_id, prompt, version, fate, reason, step, gen, rewards, t_adm, now))
         self.rollout_log.append_many(outcomes)
@@ -91,6 +93,11 @@ class Outcomes:
         if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
             raise FatalError(f"{self._consecutive_failures} groups failed in a row (last: {reason}); "
                              "see events.jsonl for the errors")
+
+    def drop_groups(self, groups: Sequence[RolloutGroup], reason: str) -> None:
+        """Scored groups no step will train (the buffer's, a cut batch's) leave as dropped (`reason`)."""
+        for g in groups:
+            self.record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
 
     def drop_live(self, reason: str) -> None:
         """Every group still live leaves as dropped (`reason`): what shutdown finds in flight."""

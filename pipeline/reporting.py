@@ -12,9 +12,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -22,11 +24,12 @@ import numpy as np
 import structlog
 
 from pipeline.buffer import RolloutBuffer
+from pipeline.config import RunConfig
 from pipeline.ledger import Ledger
 from pipeline.metrics import BusyMeter, LoopLagMonitor, MetricsWriter
 from pipeline.rollout_log import RolloutLog
 from pipeline.rotation import EngineRotation
-from pipeline.trackers import Trackers
+from pipeline.trackers import Trackers, open_trackers
 from pipeline.types import AdapterRef, Batch
 from pipeline.versions import Versions
 
@@ -38,15 +41,15 @@ class Reporting:
 
     def __init__(self, *, run_dir: Path, metrics: MetricsWriter, trackers: Trackers | None,
                  rows: list[dict[str, Any]], base: Mapping[str, int], wall0: float, lag: LoopLagMonitor,
-                 trainer_busy: BusyMeter, timeline: dict[str, list[tuple[float, float]]]) -> None:
+                 timeline: dict[str, list[tuple[float, float]]]) -> None:
         self.run_dir = run_dir
         self.metrics = metrics
         self.trackers = trackers
+        self.trainer_busy = BusyMeter()  # entered by Training around each step
         self.rows = rows  # one per training step, earlier sessions' kept ones first
         self.base = Counter(base)  # groups of earlier sessions, by fate (the checkpoint's ledger)
         self.wall0 = wall0  # wall seconds of earlier sessions
         self.lag = lag
-        self.trainer_busy = trainer_busy
         self.timeline = timeline
         self.t_start = time.monotonic()
         self._busy0: dict[str, float] = {}
@@ -58,6 +61,14 @@ class Reporting:
         self._scoring: Any = None  # counts version mismatches
         self.reward_names: list[str] = []
         self.full_weights = False
+
+    @classmethod
+    async def open(cls, cfg: RunConfig, run_dir: Path, **kwargs: Any) -> Reporting:
+        """metrics.jsonl (appended to) and the trackers of log.trackers, opened in a thread (wandb starts
+        a process); `kwargs` as the constructor's."""
+        trackers = await asyncio.to_thread(open_trackers, cfg.log.trackers, run_dir,
+                                           replace(cfg, out=str(run_dir))) if cfg.log.trackers else None
+        return cls(run_dir=run_dir, metrics=MetricsWriter(run_dir / "metrics.jsonl"), trackers=trackers, **kwargs)
 
     def watch(self, *, buffer: RolloutBuffer, rotation: EngineRotation, versions: Versions, generator: Any,
               scoring: Any, reward_names: list[str], full_weights: bool) -> None:
@@ -182,6 +193,14 @@ class Reporting:
             "cancelled": isinstance(error, asyncio.CancelledError),
             "run_dir": str(self.run_dir),
         }
+
+    async def finish(self, summary: dict[str, Any], t_start: float) -> None:
+        """summary.json, report.png, and the run_finished event (an error when the accounting is off)."""
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+        await self.write_report(t_start)
+        level = "info" if summary["accounting_ok"] else "error"
+        getattr(log, level)("run_finished", **{k: v for k, v in summary.items() if k in (
+            "steps", "wall_s", "groups_started", "groups_trained", "accounting_ok", "error")})
 
     async def write_report(self, t_start: float) -> None:
         """report.png: reward curve, staleness histogram, busy timeline; a failed plot is only a warning."""

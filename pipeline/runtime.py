@@ -1,7 +1,10 @@
 """The process settings a run changes while it runs: torch threads, the GIL switch interval, the
-garbage collector and the signal handlers; every one of them is restored when the run ends.
+garbage collector and the signal handlers; every one of them is restored when the run ends. And
+the Supervisor of the run's tasks.
 
 Invariants:
+- Every task of a run is spawned through its Supervisor; the first one to raise (BufferClosed,
+  what loops raise once shutdown has closed the buffer, aside) is the run's failure.
 - `restore()` puts back exactly what `enter()` (and `share_cpu()`) changed, and only that; it is
   safe to call after a partial enter, and more than once.
 """
@@ -13,9 +16,14 @@ import gc
 import os
 import signal
 import sys
-from typing import Callable
+from typing import Any, Callable
 
+import structlog
+
+from pipeline.buffer import BufferClosed
 from pipeline.config import RunConfig
+
+log = structlog.get_logger(__name__)
 
 
 def quiet_gc(threshold: int) -> tuple[int, ...]:
@@ -100,3 +108,42 @@ class Runtime:
         if self._gc_before is not None:
             restore_gc(self._gc_before)
             self._gc_before = None
+
+
+class Supervisor:
+    """The run's tasks: all spawned here, and the first one to fail (BufferClosed aside) is the run's failure."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.failure: asyncio.Future[BaseException] = asyncio.get_running_loop().create_future()
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, BufferClosed) and not self.failure.done():
+            self.failure.set_result(exc)
+
+    async def until_done_or_failed(self, task: asyncio.Task[Any]) -> Any:
+        """`task`'s result, or the first failure of any task spawned here, whichever comes first."""
+        await asyncio.wait({task, self.failure}, return_when=asyncio.FIRST_COMPLETED)
+        if self.failure.done():
+            raise self.failure.result()
+        return task.result()
+
+    async def cancel_all(self, timeout: float) -> None:
+        """Cancel every task and wait up to `timeout` for them to end (those that do not are logged)."""
+        tasks = list(self.tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
+            if pending:
+                log.error("shutdown_tasks_stuck", tasks=[t.get_name() for t in pending])

@@ -5,6 +5,9 @@ Invariants:
   number of completions than asked, fails its group (counted as a version mismatch or a wrong
   completion count); it is never scored or trained.
 - A reward that raises or returns a bad value fails only the groups it fails on (RewardScorer).
+- With an environment, a group's reward is env.reward's choice: the environment's rewards summed
+  over each episode ("env"), the reward functions on each episode's transcript ("functions"), or
+  their sum ("sum"), each part reported under its name (the environment's as "env").
 - Every group either reaches the buffer (buffered in the ledger), or leaves through `Outcomes`:
   failed, dropped as zero-advantage (pipeline.filter_zero_advantage), or dropped at shutdown.
 """
@@ -15,6 +18,7 @@ import asyncio
 import time
 from typing import Any, Callable
 
+import numpy as np
 import structlog
 
 from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
@@ -58,14 +62,23 @@ class Texts:
         return texts
 
 
+def reward_names(scorer: RewardScorer, env_reward: str | None) -> list[str]:
+    """The parts of a group's reward: the reward functions', the environment's ("env"), or both."""
+    if env_reward == "env":
+        return ["env"]
+    return ["env", *scorer.names] if env_reward == "sum" else list(scorer.names)
+
+
 class Scoring:
     """From an engine's Generations to RolloutGroups in the buffer."""
 
     def __init__(self, *, texts: Texts, scorer: RewardScorer, buffer: RolloutBuffer, ledger: Ledger,
                  outcomes: Outcomes, filter_zero_advantage: bool,
-                 spans: list[tuple[float, float]]) -> None:
+                 spans: list[tuple[float, float]], env_reward: str | None = None) -> None:
         self.texts = texts
         self.scorer = scorer
+        self.env_reward = env_reward  # None: no environment; else env.reward ("env", "functions" or "sum")
+        self.names = reward_names(scorer, env_reward)  # the reward parts, in order
         self.buffer = buffer
         self.ledger = ledger
         self.outcomes = outcomes
@@ -91,7 +104,7 @@ class Scoring:
             keep.append((adm, gen))
         ids = [[c.token_ids.tolist() for c in gen.completions] for _, gen in keep]
         texts = await self.texts(ids)
-        scores = await self.scorer.score_many_parts([gen.request.prompt for _, gen in keep], texts, ids)
+        scores = await self.score([gen for _, gen in keep], texts, ids)
         groups: list[RolloutGroup] = []
         now = time.monotonic()
         for (adm, gen), scored in zip(keep, scores):
@@ -115,3 +128,24 @@ class Scoring:
                 if self.buffer.is_in_flight(g.group_id):  # not stored before the close
                     self.buffer.settle_in_flight(g.group_id, "shutdown")
                     self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+
+    async def score(self, gens: list[Generation], texts: list[list[str]], ids: list[list[list[int]]]) -> list[Any]:
+        """Each group's (rewards [n], parts [F, n]) or the RewardError that failed it: the reward functions
+        on the completions (an episode's whole transcript), the environment's summed rewards, or both."""
+        mode = self.env_reward
+        if mode == "env":
+            return [(env, env[None]) for env in map(_env_rewards, gens)]
+        scores = await self.scorer.score_many_parts([gen.request.prompt for gen in gens], texts, ids)
+        if mode != "sum":
+            return scores
+        out = []
+        for gen, scored in zip(gens, scores):
+            if isinstance(scored, tuple):
+                env = _env_rewards(gen)
+                scored = (scored[0] + env, np.vstack([env[None], scored[1]]))
+            out.append(scored)
+        return out
+
+def _env_rewards(gen: Generation) -> np.ndarray:
+    """An episode group's environment rewards, each summed over the episode's steps."""
+    return np.array([c.env_reward or 0.0 for c in gen.completions], dtype=np.float64)

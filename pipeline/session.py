@@ -7,15 +7,18 @@ Invariants:
   adapter versions after its own are discarded, metrics.jsonl keeps the step rows up to it and
   the evaluation rounds it covers; every id it did not see settled is queued again (the Ledger).
 - The run's config.toml is written only once these checks have passed.
+- A resumed trainer holds the checkpoint's version, and every engine serves it, before the first
+  group is admitted (`continue_trainer`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -23,7 +26,7 @@ from pipeline.adapter_store import AdapterStore
 from pipeline.checkpoint import CheckpointStore
 from pipeline.config import RunConfig
 from pipeline.config_io import dump_toml
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, TrainerError
 from pipeline.ledger import Ledger
 from pipeline.metrics import read_jsonl
 from pipeline.outcomes import FLUSH_GROUPS
@@ -49,8 +52,20 @@ class Session:
     eval_done: set[int]  # evaluation rounds the checkpoint covers
 
 
+def refuse_existing_run(run_dir: Path) -> None:
+    """A fresh run in a directory that holds one is refused (ConfigError), before anything is written."""
+    if (run_dir / "rollouts.zarr").exists() or (run_dir / "checkpoints").exists():
+        raise ConfigError(f"run directory {run_dir} already holds a run; continue it with "
+                          f"python run.py --resume {run_dir}, or choose another out directory")
+
+
+def write_config(cfg: RunConfig, run_dir: Path) -> None:
+    """The resolved config as <run dir>/config.toml: `run.py --config` it to repeat the run."""
+    (run_dir / "config.toml").write_text(dump_toml(replace(cfg, out=str(run_dir))), encoding="utf-8")
+
+
 def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fingerprint: dict[str, Any],
-                 total: int | None, model_path: str | None, write_config: Callable[[], None]) -> Session:
+                 total: int | None, model_path: str | None) -> Session:
     """Start the run in `run_dir`, or resume it from its newest checkpoint (ConfigError if it cannot)."""
     pc = cfg.pipeline
     checkpoints = CheckpointStore(run_dir / "checkpoints", keep=pc.keep_checkpoints)
@@ -67,7 +82,7 @@ def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fi
     if ck is not None:
         check_resumed_inputs(ck, fingerprint, run_dir, force)
     if resume:  # accepted: from here on the run continues with this config
-        write_config()
+        write_config(cfg, run_dir)
     eval_done: set[int] = set(ck.state.get("eval_done", ())) if ck else set()
     store = AdapterStore(cfg.store.root or run_dir / "adapters", base_model=str(model_path or ""),
                          keep_last=cfg.store.keep_last, kind=cfg.trainer.update)
@@ -87,6 +102,17 @@ def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fi
         log.info("run_resumed", run_dir=str(run_dir), step=start_step, version=session.start_version,
                  requeued=session.ledger.queued, cursor=session.ledger.cursor)
     return session
+
+
+async def continue_trainer(trainer: Any, ck: Any, store: AdapterStore, versions: Any, version: int) -> None:
+    """The trainer continues from checkpoint `ck`; its version is published again (the same bytes, the
+    same directory name) and every engine serves it before the first group."""
+    await asyncio.to_thread(trainer.load_state, ck.trainer_dir)
+    if trainer.version != version:
+        raise TrainerError(f"checkpoint {ck.path} holds trainer version {trainer.version}, its ledger says {version}")
+    ref = await asyncio.to_thread(store.publish, version, trainer.save_adapter)
+    await versions.load_on_engines(ref)
+    versions.adapters[version] = ref
 
 
 def check_resumed_inputs(ck: Any, fingerprint: dict[str, Any], run_dir: Path, force: bool) -> None:

@@ -17,6 +17,7 @@ from conftest import check_finished_run, run_py, start_run_py, wait_for_steps
 
 from pipeline.checkpoint import CheckpointStore
 from pipeline.faults import CRASH_POINTS
+from pipeline.rollout_log import read_rollouts
 
 B, STEPS, K = 4, 8, 1
 PROMPTS = B * STEPS  # one epoch of the data set is exactly the run
@@ -83,8 +84,16 @@ KILLS = [  # (crash point, which hit): 22 points over generation, training, publ
 ]
 
 
+# multi-turn: the simulated engine's episodes of tests/episode_envs.py's Slow environment
+EPISODES = SIM.replace("[trainer]", """[env]
+factory = "tests/episode_envs.py:Slow"
+max_turns = 3
+[trainer]""")
+EPISODE_KILLS = [("episode.after_step", 5), ("episode.after_step", 40)]
+
+
 def test_the_kill_list_covers_every_crash_point() -> None:
-    assert {name for name, _ in KILLS} == set(CRASH_POINTS)
+    assert {name for name, _ in KILLS + EPISODE_KILLS} == set(CRASH_POINTS)
 
 
 @pytest.mark.parametrize("point,hit", KILLS, ids=[f"{p}:{h}" for p, h in KILLS])
@@ -98,6 +107,22 @@ def test_kill_9_then_resume_trains_every_prompt_once(tmp_path: Path, point: str,
     resumed = run_py("--resume", str(out))
     assert resumed.returncode == 0, resumed.stderr
     check_finished_run(out, B, STEPS, K)
+
+
+@pytest.mark.parametrize("point,hit", EPISODE_KILLS, ids=[f"{p}:{h}" for p, h in EPISODE_KILLS])
+def test_kill_9_mid_episode_then_resume_trains_every_prompt_once(tmp_path: Path, point: str, hit: int) -> None:
+    """Killed between two turns of an episode: the interrupted group is generated again from its
+    first turn, under its id, and trained exactly once."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(EPISODES)
+    out = tmp_path / "run"
+    first = run_py("--config", str(cfg), "--out", str(out), crash=f"{point}:{hit}")
+    assert first.returncode == -signal.SIGKILL, f"not killed at {point}:{hit}: rc {first.returncode}\n{first.stderr}"
+    resumed = run_py("--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    check_finished_run(out, B, STEPS, K)
+    r = read_rollouts(out / "rollouts.zarr")
+    assert set(r.completions["turns"].tolist()) == {3} and not r.mask.all()  # whole episodes, replies masked
 
 
 def test_three_kills_in_a_row_then_resume(tmp_path: Path) -> None:

@@ -167,7 +167,7 @@ def test_cancelling_a_run_keeps_everything_produced(tmp_path):
     assert 0 < p.summary["steps"] < 1000
     assert_accounted(p, p.summary)
     assert (p.run_dir / "summary.json").exists() and (p.run_dir / "metrics.jsonl").exists()
-    assert not [t for t in p._tasks if not t.done()]
+    assert not [t for t in p.supervisor.tasks if not t.done()]
 
 
 def test_malformed_prompts_are_refused_one_by_one(tmp_path):

@@ -111,13 +111,13 @@ def window_figures(p: Pipeline, warmup: int) -> dict[str, Any]:
     values, counts = np.unique(stal, return_counts=True)
     # the trainer tier's idle time between one step's publish and the next step: waiting for a
     # batch (wait_batch) plus the train loop's own bookkeeping
-    busy = [iv for iv in p.trainer_busy.intervals if iv[0] >= t0 - 1e-9]
+    busy = [iv for iv in p.reporting.trainer_busy.intervals if iv[0] >= t0 - 1e-9]
     gaps = np.asarray([b[0] - a[1] for a, b in zip(busy, busy[1:])], dtype=np.float64) * 1000.0
     waits = np.asarray([row["time/wait_batch_s"] for row in rows[warmup:]], dtype=np.float64) * 1000.0
     return {
         "window_s": span, "window_groups": groups,
         "groups_per_s": groups / span, "tokens_per_s": tokens / span,
-        "busy_generator": gen_busy / gen_span, "busy_trainer": busy_fraction(p.trainer_busy, t0, t1),
+        "busy_generator": gen_busy / gen_span, "busy_trainer": busy_fraction(p.reporting.trainer_busy, t0, t1),
         "generator_window_s": gen_span, "generator_idle": idle, "gen_depth_groups": depth,
         "gen_tokens_in_window": gen_tokens,
         "gen_tokens_per_busy_s": gen_tokens / gen_busy if gen_busy > 0 else None,

@@ -4,7 +4,8 @@ It keeps the Engine contract (n completions, equal-length token ids and log-prob
 asked for, abort on cancel) so the orchestrator, tests and benchmarks can run without a model.
 Speed: each group takes `latency_s`; at most `concurrency` groups run at once (0 = unlimited),
 so `concurrency / latency_s` groups per second is the generator's standalone rate.
-Tokens are deterministic in (seed, group id, version, request seed): a test can tell versions apart.
+An episode's later turn (`request.turn` > 0) takes `turn_latency_s` instead.
+Tokens are deterministic in (seed, group id, version, request seed, turn): a test can tell versions apart.
 Fault injection: a share `fail_rate` of calls raises GenerationError and a share `hang_rate`
 never returns (until cancelled), drawn from the engine's own seeded generator. With `die_after`
 the engine dies (every call raises EngineDeadError) once it has taken that many groups since it
@@ -100,7 +101,7 @@ class SimulatedEngine:
     @staticmethod
     def _key(request: GroupRequest, version: int) -> int:
         """What a group's place in the pool is drawn from: its id, the version and its seed."""
-        return request.group_id * 2654435761 + version * 40503 + (request.seed or 0) * 977
+        return request.group_id * 2654435761 + version * 40503 + (request.seed or 0) * 977 + request.turn * 7919
 
     def _synthesize(self, request: GroupRequest, version: int) -> tuple[Completion, ...]:
         """One request's completions: views of a slice of the pool."""
@@ -126,6 +127,10 @@ class SimulatedEngine:
         logprobs = (pool_logprobs[at] - np.float32(0.01 * version)).reshape(-1, T)
         rows = list(map(Completion, tokens, logprobs, ["length"] * len(tokens)))
         return [tuple(rows[i:i + n]) for i in range(0, len(rows), n)]
+
+    def _latency(self, request: GroupRequest) -> float:
+        """Seconds a request takes: latency_s for a group, turn_latency_s for an episode's later turn."""
+        return self.cfg.turn_latency_s if request.turn else self.cfg.latency_s
 
     def _check_ready(self, adapter: AdapterRef, groups: int = 0) -> None:
         """Refuse calls on a closed or dead engine; count `groups` towards `die_after`."""
@@ -174,8 +179,8 @@ class SimulatedEngine:
                 await self._slots.acquire()
             try:
                 with self.busy:
-                    if self.cfg.latency_s > 0:
-                        await asyncio.sleep(self.cfg.latency_s)
+                    if (latency := self._latency(request)) > 0:
+                        await asyncio.sleep(latency)
                     completions = self._synthesize(request, adapter.version)
             finally:
                 if self._slots is not None:
@@ -220,9 +225,9 @@ class SimulatedEngine:
                         await self._slots.acquire()
                         held += 1
             with self.busy:
-                if self.cfg.latency_s > 0:
+                if (latency := max(map(self._latency, requests), default=0.0)) > 0:
                     rounds = -(-len(requests) // self.cfg.concurrency) if self.cfg.concurrency else 1
-                    await asyncio.sleep(self.cfg.latency_s * rounds)
+                    await asyncio.sleep(latency * rounds)
                 t_end = time.monotonic()
                 ok = [r for r, fault in zip(requests, faults) if fault != "fail"]
                 made = iter(self._synthesize_many(ok, adapter.version))

@@ -1,0 +1,185 @@
+"""Multi-turn episodes (pipeline.episodes) through the whole pipeline, on the simulated engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import assert_accounted, sim_config
+from episode_envs import Echo, Endless, Flaky, Random
+
+from pipeline.engines.simulated import SimulatedEngine
+from pipeline.orchestrator import Pipeline
+from pipeline.rollout_log import read_rollouts
+from pipeline.trainer import SimulatedTrainer
+from pipeline.types import AdapterRef, Batch, GroupRequest
+
+ROWS = [{"id": str(i)} for i in range(64)]
+
+
+class RecordingEngine(SimulatedEngine):
+    """The simulated engine, remembering every request and what it returned."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[GroupRequest, int, list[tuple[list[int], list[float]]]]] = []
+
+    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Any:
+        gen = await super().generate(request, adapter)
+        self.calls.append((request, adapter.version, [(c.token_ids.tolist(), c.logprobs.tolist())
+                                                      for c in gen.completions]))
+        return gen
+
+    async def generate_many(self, requests: Any, adapter: AdapterRef) -> Any:
+        out = await super().generate_many(requests, adapter)
+        for r, g in zip(requests, out):
+            self.calls.append((r, adapter.version, [(c.token_ids.tolist(), c.logprobs.tolist())
+                                                    for c in g.completions]))
+        return out
+
+
+class KeepingTrainer(SimulatedTrainer):
+    """The simulated trainer, keeping every batch it trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[Batch] = []
+
+    def step(self, batch: Batch) -> Any:
+        self.batches.append(batch)
+        return super().step(batch)
+
+
+def _run(tmp_path: Path, env: Any, *, engine: SimulatedEngine | None = None, trainer: Any = None,
+         **extra: Any) -> Pipeline:
+    cfg = sim_config(tmp_path, **{"engine.simulated.completion_tokens": 3, "sampling.max_new_tokens": 3, **extra})
+    p = Pipeline(cfg, prompts=ROWS, environment=env, engines=[engine] if engine else None, trainer=trainer,
+                 console=False)
+    p.run_sync()
+    return p
+
+
+def test_the_tokens_trained_are_exactly_the_engines_then_the_environments(tmp_path: Path) -> None:
+    """Token in, token out: every trained completion is its turns' sampled tokens (mask 1, the
+    engine's log-probs) and the environment's rendered replies (mask 0, log-prob 0) in order, and
+    each later turn's prompt is the group's prompt followed by exactly the tokens so far."""
+    engine, trainer = RecordingEngine(name="rec"), KeepingTrainer()
+    Echo.log.clear()
+    p = _run(tmp_path, Echo, engine=engine, trainer=trainer, **{"sampling.n": 3})
+    assert_accounted(p, p.summary)
+    tok = p.tokenizer
+    reply_ids = {reply: tok(reply, add_special_tokens=False)["input_ids"] for _, _, reply in Echo.log}
+    by_prompt = {}  # (group, prompt tokens) -> (completion tokens, log-probs, version) of later turns
+    firsts = {}
+    for req, version, comps in engine.calls:
+        if req.turn == 0:
+            firsts[req.group_id] = (comps, version)
+        else:
+            by_prompt[(req.group_id, tuple(req.prompt.token_ids))] = (comps[0], version)
+    checked = 0
+    for batch in trainer.batches:
+        for g in batch.groups:
+            prompt = list(g.prompt.token_ids)
+            assert prompt == tok(f"q{g.prompt.id}:", add_special_tokens=False)["input_ids"]
+            first, v0 = firsts[g.group_id]
+            assert v0 == g.version
+            for i, c in enumerate(g.completions):
+                ids, lps, mask = c.token_ids.tolist(), c.logprobs.tolist(), c.mask.tolist()
+                assert c.turns == 3 and c.env_reward == 3.0 and c.finish_reason == "stop"
+                sampled, sampled_lp = first[i]
+                pos = 0
+                for turn in range(3):
+                    assert ids[pos:pos + len(sampled)] == sampled and lps[pos:pos + len(sampled)] == sampled_lp
+                    assert all(mask[pos:pos + len(sampled)])
+                    pos += len(sampled)
+                    if turn == 2:
+                        break
+                    reply = reply_ids[f" r{turn + 1} "]
+                    assert ids[pos:pos + len(reply)] == reply and not any(mask[pos:pos + len(reply)])
+                    assert lps[pos:pos + len(reply)] == [0.0] * len(reply)
+                    pos += len(reply)
+                    (sampled, sampled_lp), v = by_prompt[(g.group_id, tuple(prompt + ids[:pos]))]
+                    assert v == g.version  # every turn on the group's version
+                assert pos == len(ids)
+                checked += 1
+    assert checked == p.summary["groups_trained"] * 3 > 0
+
+
+@pytest.mark.parametrize("K,seed", [(0, 1), (1, 2), (2, 3), (1, 4)])
+def test_the_staleness_bound_holds_over_episodes_of_random_lengths_and_latencies(tmp_path: Path, K: int,
+                                                                                  seed: int) -> None:
+    """Episodes end out of order (random lengths and step latencies, random engine latency); every
+    trained group is within K of the step that trained it, counted from its episodes' start, and
+    every turn of a group was sampled with the version it was admitted with."""
+    engine = RecordingEngine(seed=seed, name="rec")
+    engine.cfg = engine.cfg.__class__(latency_s=0.002 * seed, turn_latency_s=0.003, completion_tokens=3)
+    p = _run(tmp_path, lambda: Random(latency=0.01), engine=engine, K=K, B=3, steps=8,
+             **{"sampling.n": 3, "env.max_turns": 5, "seed": seed})
+    r = assert_accounted(p, p.summary)
+    versions: dict[int, set[int]] = {}
+    for req, version, _ in engine.calls:
+        versions.setdefault(req.group_id, set()).add(version)
+    turns = []
+    for i in range(r.num_groups):
+        g = r.group(i)
+        if g["fate"] == "trained":
+            assert 0 <= (g["step"] - 1) - g["version"] <= K
+            assert versions[g["group_id"]] == {g["version"]}
+            turns += list(g["turns"])
+    assert p.summary["staleness_max"] <= K
+    assert len(set(turns)) >= 3, f"episode lengths too alike to test anything: {sorted(set(turns))}"
+
+
+def test_an_environment_that_raises_or_hangs_fails_its_group_not_the_run(tmp_path: Path) -> None:
+    p = _run(tmp_path, Flaky, steps=4, **{"env.step_timeout_s": 0.5})
+    assert p.summary["error"] is None and p.summary["steps"] == 4
+    failed = p.summary["groups_failed"]
+    assert failed.get("env_error", 0) >= 1 and failed.get("env_timeout", 0) >= 1, failed
+    r = assert_accounted(p, p.summary)
+    reasons = {str(r.groups["prompt_id"][i])[-1]: str(r.groups["reason"][i]) for i in range(r.num_groups)
+               if r.groups["fate"][i] == "failed"}
+    assert reasons.get("3") in (None, "env_error") and reasons.get("7") in (None, "env_timeout")
+
+
+def test_max_turns_and_the_token_budget_end_episodes(tmp_path: Path) -> None:
+    p = _run(tmp_path, Endless, steps=2, **{"env.max_turns": 4})
+    r = assert_accounted(p, p.summary)
+    g = r.group(0)
+    assert list(g["turns"]) == [4, 4] and {c[2] for c in g["completions"]} == {"max_turns"}
+
+    budget = 16
+    p = _run(tmp_path / "b", Endless, steps=2, **{"env.max_turns": 50, "env.max_episode_tokens": budget})
+    r = assert_accounted(p, p.summary)
+    for i in range(r.num_groups):
+        g = r.group(i)
+        for tokens, _, finish in g["completions"]:
+            assert finish == "length" and len(g["prompt_token_ids"]) + len(tokens) <= budget
+
+
+def test_the_rollout_log_holds_each_episodes_mask_and_turns(tmp_path: Path) -> None:
+    p = _run(tmp_path, Echo, steps=2)
+    r = read_rollouts(p.run_dir / "rollouts.zarr")
+    assert r.mask.shape == r.tokens.shape and 0 < r.mask.sum() < r.mask.size
+    assert set(r.completions["turns"].tolist()) == {3}
+    assert np.all(r.logprobs[~r.mask] == 0)
+
+
+def test_rewards_env_functions_or_their_sum(tmp_path: Path) -> None:
+    def length(prompts: list[str], completions: list[str], **kw: Any) -> list[float]:
+        return [float(len(c)) for c in completions]
+
+    for mode, expect in (("env", lambda env, fn: env), ("functions", lambda env, fn: fn),
+                         ("sum", lambda env, fn: env + fn)):
+        cfg = sim_config(tmp_path / mode, steps=2, **{"env.reward": mode, "engine.simulated.completion_tokens": 3,
+                                                      "sampling.max_new_tokens": 3})
+        trainer = KeepingTrainer()
+        p = Pipeline(cfg, prompts=ROWS, environment=Echo, reward=length, trainer=trainer, console=False)
+        p.run_sync()
+        g = trainer.batches[0].groups[0]
+        texts = [p.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in g.completions]
+        fn = np.array([len(t) for t in texts], dtype=float)
+        np.testing.assert_allclose(g.rewards, expect(np.full(2, 3.0), fn))
+        assert p.scoring.names == {"env": ["env"], "functions": ["length"], "sum": ["env", "length"]}[mode]
+        assert f"reward/{p.scoring.names[-1]}" in p.metrics_rows[0]
