@@ -2,6 +2,7 @@
 
     python benchmarks/learning_curve.py                       # CPU: tiny model, transformers engine
     python benchmarks/learning_curve.py --config examples/own_task/config.toml   # your own task's files
+    python benchmarks/learning_curve.py --task calculator     # the built-in multi-turn tool-use task
     python benchmarks/learning_curve.py --engine vllm --model-shape small \
         --engine-device cuda:0 --trainer-device cuda:1 --steps 100
 
@@ -62,6 +63,7 @@ async def main(args: argparse.Namespace) -> dict:
         "engine.devices": [args.engine_device], "trainer.device": args.trainer_device,
         "pipeline.steps": args.steps, "pipeline.max_staleness": args.max_staleness,
         "pipeline.batch_groups": args.batch_groups, "log.progress": False,
+        **({"task.name": args.task} if args.task else {}),
     }
     if args.engine == "vllm":
         overrides.update({"engine.vllm.enforce_eager": True, "engine.vllm.gpu_memory_utilization": 0.5,
@@ -153,6 +155,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"])
     p.add_argument("--engine-device", default="cpu")
     p.add_argument("--trainer-device", default="cpu")
+    p.add_argument("--task", help="a built-in task (char_class, copy, calculator); default: the config's")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-groups", type=int, default=8)
     p.add_argument("--max-staleness", type=int, default=1)

@@ -12,7 +12,9 @@
     └── RecoverableError         one unit of work failed; it is counted, logged and the run goes on
         ├── GenerationError      one engine call failed or timed out
         ├── RewardError          a reward function raised or returned a bad value
-        └── PromptError          a malformed prompt (empty, too long, ...) refused on its own, with a reason
+        ├── PromptError          a malformed prompt (empty, too long, ...) refused on its own, with a reason
+        └── EnvError             an environment's reset or step raised, timed out or answered nonsense: its
+                                 group fails (pipeline.environments; EnvTimeoutError for the timeout)
 
 Recoverable errors are caught by the orchestrator where fault tolerance is deliberate; every
 other exception ends the run with that error.

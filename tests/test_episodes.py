@@ -183,3 +183,56 @@ def test_rewards_env_functions_or_their_sum(tmp_path: Path) -> None:
         np.testing.assert_allclose(g.rewards, expect(np.full(2, 3.0), fn))
         assert p.scoring.names == {"env": ["env"], "functions": ["length"], "sum": ["env", "length"]}[mode]
         assert f"reward/{p.scoring.names[-1]}" in p.metrics_rows[0]
+
+
+@pytest.mark.parametrize("engine_kind", ["transformers", "vllm_server"])
+def test_chat_episodes_on_real_engines_keep_the_logprob_check(tmp_path: Path, model_dir: Path,
+                                                             engine_kind: str) -> None:
+    """Chat episodes with tool replies on the tiny model, in the transformers engine and over HTTP
+    through a vLLM-server stub (token-id prompts): the trainer's log-probs of the sampled tokens
+    match the engine's, with the replies as context."""
+    import asyncio
+    import json
+
+    from vllm_server_stub import VLLMServerStub
+
+    from pipeline.config import SamplingConfig, TransformersEngineConfig
+    from pipeline.config_io import load_config
+    from pipeline.engines.transformers import TransformersEngine
+    from pipeline.metrics import read_jsonl
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"id": str(i)}) + "\n" for i in range(40)))
+    sets = {"out": str(tmp_path / "run"), "model.path": str(model_dir), "trainer.separate_process": False,
+            "sampling.n": 2, "sampling.max_new_tokens": 6, "pipeline.steps": 3, "pipeline.batch_groups": 2,
+            "pipeline.logprob_check_every": 1, "log.progress": False, "data.train": str(rows),
+            "env.factory": "tests/episode_envs.py:ChatTool", "env.max_turns": 3}
+
+    async def main() -> Pipeline:
+        if engine_kind == "transformers":
+            p = Pipeline(load_config(None, sets), console=False)
+            await p.run()
+            return p
+        inner = TransformersEngine(model_dir, sampling=SamplingConfig(), cfg=TransformersEngineConfig(),
+                                   device="cpu", dtype="float32", max_loaded_adapters=3, seed=0, name="inner")
+        await inner.start()
+        stub = VLLMServerStub(inner, model_name="tiny")
+        url = await stub.start()
+        try:
+            p = Pipeline(load_config(None, {**sets, "engine.kind": "vllm_server",
+                                            "engine.vllm_server.urls": [url]}), console=False)
+            await p.run()
+        finally:
+            await stub.close()
+            await inner.close()
+        assert any(len(r["prompt"]) > 40 for r in stub.requests), "later turns reached the server as token ids"
+        return p
+
+    p = asyncio.run(main())
+    r = assert_accounted(p, p.summary)
+    assert set(r.completions["turns"].tolist()) == {3} and 0 < r.mask.sum() < r.mask.size
+    text = p.tokenizer.decode(r.tokens[~r.mask].tolist())
+    assert "<|im_start|>tool\ncalculator:" in text  # the replies, rendered as chat tool turns
+    checks = [row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "check/max_abs_diff" in row]
+    assert checks and max(c["check/max_abs_diff"] for c in checks) < 1e-3, checks
+    assert all(c["check/tokens"] <= r.mask.sum() for c in checks)

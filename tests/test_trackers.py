@@ -196,7 +196,7 @@ def test_a_tracker_failing_to_close_does_not_stop_the_others_closing() -> None:
 
 def test_a_run_sends_every_row_at_its_step_survives_a_failing_tracker_and_closes_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import pipeline.orchestrator
+    import pipeline.reporting
 
     bad, good = Recorder("bad", fail=True), Recorder("good")
     opened: list[tuple[tuple[str, ...], Path, Any]] = []
@@ -205,7 +205,7 @@ def test_a_run_sends_every_row_at_its_step_survives_a_failing_tracker_and_closes
         opened.append((names, run_dir, config))
         return Trackers([bad, good])
 
-    monkeypatch.setattr(pipeline.orchestrator, "open_trackers", fake_open)
+    monkeypatch.setattr(pipeline.reporting, "open_trackers", fake_open)
     run_dir = run_with_trackers(tmp_path, ["tensorboard"])  # accounting_ok: the failing tracker ended nothing
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
