@@ -37,8 +37,7 @@ if TYPE_CHECKING:  # the components a round uses; none of them imports this modu
     from pipeline.generation import Generator
     from pipeline.outcomes import Outcomes
     from pipeline.prompts import PromptBuilder
-    from pipeline.rewards import RewardScorer
-    from pipeline.scoring import Texts
+    from pipeline.scoring import Scoring, Texts
     from pipeline.versions import VersionPins, Versions
 
 log = structlog.get_logger(__name__)
@@ -100,7 +99,7 @@ class Evaluator:
 
     def __init__(self, items: Sequence[Any], *, cfg: EvalConfig, sampling: SamplingConfig, seed: int,
                  builder: PromptBuilder, generator: Generator, versions: Versions, pins: VersionPins,
-                 scorer: RewardScorer, texts: Texts, outcomes: Outcomes, write_row: Callable[[dict[str, Any]], None],
+                 scoring: Scoring, texts: Texts, outcomes: Outcomes, write_row: Callable[[dict[str, Any]], None],
                  batch: int, done: set[int], rows: list[dict[str, Any]]) -> None:
         self.items = list(items)
         self.cfg = cfg
@@ -110,7 +109,7 @@ class Evaluator:
         self.generator = generator
         self.versions = versions
         self.pins = pins
-        self.scorer = scorer
+        self.scoring = scoring  # the training groups' rewards: reward functions and/or an environment's
         self.texts = texts
         self.outcomes = outcomes
         self._write_row = write_row  # metrics.jsonl and the trackers
@@ -181,7 +180,7 @@ class Evaluator:
             await self.pins.unpin(version)
         gens = [r for r in results if isinstance(r, Generation)]
         ids = [[c.token_ids.tolist() for c in g.completions] for g in gens]
-        scores = await self.scorer.score_many_parts([g.request.prompt for g in gens], await self.texts(ids), ids)
+        scores = await self.scoring.score(gens, await self.texts(ids), ids)
         by_id = {g.request.group_id: s for g, s in zip(gens, scores)}
         now = time.monotonic()
         outcomes, rewards, parts = [], [], []
@@ -202,7 +201,7 @@ class Evaluator:
                                              scored[0], t0, now))
         # one moment on the loop: the round's rows and its metrics row appear together, or neither does
         self.outcomes.record_eval(outcomes)
-        metrics = round_metrics(rewards, parts, self.scorer.names, cfg.n, cfg.pass_threshold)
+        metrics = round_metrics(rewards, parts, self.scoring.names, cfg.n, cfg.pass_threshold)
         row = eval_row(step, version, metrics, len(rewards), len(requests) - len(rewards),
                        len(prompts) - len(requests), time.monotonic() - t0)
         self._write_row(row)

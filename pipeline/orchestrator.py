@@ -263,7 +263,7 @@ class Pipeline:
                                  seed=cfg.seed, max_wave=batch, spawn=self.supervisor.spawn)
         eval_items = eval_items[:cfg.eval.max_prompts or MAX_EVAL_PROMPTS] if cfg.eval.every else []
         self.evaluator = Evaluator(eval_items, cfg=cfg.eval, sampling=cfg.sampling, seed=cfg.seed, builder=rows,
-                                   generator=self.generator, versions=self.versions, pins=pins, scorer=self.scorer,
+                                   generator=self.generator, versions=self.versions, pins=pins, scoring=self.scoring,
                                    texts=texts, outcomes=self.outcomes, write_row=self.reporting.write, batch=batch,
                                    done=session.eval_done, rows=self.eval_rows) if eval_items else None
         self.reporting.watch(buffer=self.buffer, rotation=self.rotation, versions=self.versions,

@@ -236,3 +236,18 @@ def test_chat_episodes_on_real_engines_keep_the_logprob_check(tmp_path: Path, mo
     checks = [row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "check/max_abs_diff" in row]
     assert checks and max(c["check/max_abs_diff"] for c in checks) < 1e-3, checks
     assert all(c["check/tokens"] <= r.mask.sum() for c in checks)
+
+
+def test_eval_rounds_run_episodes_too(tmp_path: Path) -> None:
+    """An evaluation round samples each eval prompt's episodes like a training group, and logs them."""
+    cfg = sim_config(tmp_path, steps=2, **{"eval.every": 1, "eval.n": 2, "engine.simulated.completion_tokens": 3,
+                                           "sampling.max_new_tokens": 3})
+    p = Pipeline(cfg, prompts=ROWS, eval_prompts=[{"id": f"e{i}", "turns": 2} for i in range(3)], environment=Echo,
+                 console=False)
+    p.run_sync()
+    assert [row["eval/groups"] for row in p.eval_rows] == [3, 3, 3] and all(row["eval/failed"] == 0
+                                                                          for row in p.eval_rows)
+    assert all(row["eval/reward_mean"] == 2.0 for row in p.eval_rows)  # two steps of reward 1 each
+    r = read_rollouts(p.run_dir / "rollouts.zarr")
+    evals = [i for i in range(r.num_groups) if r.groups["fate"][i] == "eval"]
+    assert len(evals) == 9 and all(list(r.group(i)["turns"]) == [2, 2] for i in evals)
