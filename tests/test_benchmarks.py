@@ -454,3 +454,16 @@ def test_vs_trl_runs_trl_and_ours_on_equal_samples(tmp_path: Path, model_cache: 
     assert set(data["ratios"]) == {"pipeline K=0", "pipeline K=2"}
     for run in data["runs"]:
         assert run["samples_per_s"] > 0 and len(run["reward_curve"]) == data["settings"]["steps"]
+
+
+def test_episode_latency_shows_k1_hiding_environment_latency(tmp_path: Path) -> None:
+    """benchmarks/episode_latency.py: with 50 ms environment steps, K = 1 trains faster than K = 0
+    (the next steps' episodes run while the trainer trains), within the trainer bound."""
+    bench = load("episode_latency")
+    bench.main(["--quick", "--latencies", "0.05", "--ks", "0,1", "--out", str(tmp_path),
+                "--scratch", str(tmp_path / "runs")])
+    data = json.loads(next(tmp_path.glob("episode_latency_sim_*.json")).read_text())
+    k0, k1 = data["runs"]
+    assert (k0["K"], k1["K"]) == (0, 1) and k0["accounting_ok"] and k1["accounting_ok"]
+    assert k1["staleness_max"] <= 1 and k1["env_steps"] > 0
+    assert k1["speedup_vs_K0"] > 1.3 and k1["of_bound"] <= 1.05, data["runs"]
