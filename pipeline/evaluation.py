@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # the components a round uses; none of them imports this modu
     from pipeline.generation import Generator
     from pipeline.outcomes import Outcomes
     from pipeline.prompts import PromptBuilder
-    from pipeline.scoring import Scoring, Texts
+    from pipeline.scoring import Scoring
     from pipeline.versions import VersionPins, Versions
 
 log = structlog.get_logger(__name__)
@@ -99,7 +99,7 @@ class Evaluator:
 
     def __init__(self, items: Sequence[Any], *, cfg: EvalConfig, sampling: SamplingConfig, seed: int,
                  builder: PromptBuilder, generator: Generator, versions: Versions, pins: VersionPins,
-                 scoring: Scoring, texts: Texts, outcomes: Outcomes, write_row: Callable[[dict[str, Any]], None],
+                 scoring: Scoring, outcomes: Outcomes, write_row: Callable[[dict[str, Any]], None],
                  batch: int, done: set[int], rows: list[dict[str, Any]]) -> None:
         self.items = list(items)
         self.cfg = cfg
@@ -110,7 +110,6 @@ class Evaluator:
         self.versions = versions
         self.pins = pins
         self.scoring = scoring  # the training groups' rewards: reward functions and/or an environment's
-        self.texts = texts
         self.outcomes = outcomes
         self._write_row = write_row  # metrics.jsonl and the trackers
         self.batch = batch  # groups per engine call: batch_groups where engines have generate_many, else 1
@@ -179,8 +178,7 @@ class Evaluator:
         finally:
             await self.pins.unpin(version)
         gens = [r for r in results if isinstance(r, Generation)]
-        ids = [[c.token_ids.tolist() for c in g.completions] for g in gens]
-        scores = await self.scoring.score(gens, await self.texts(ids), ids)
+        scores = await self.scoring.score(gens)
         by_id = {g.request.group_id: s for g, s in zip(gens, scores)}
         now = time.monotonic()
         outcomes, rewards, parts = [], [], []

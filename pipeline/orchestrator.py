@@ -248,8 +248,7 @@ class Pipeline:
         if session.checkpoint is not None:
             await continue_trainer(self.trainer, session.checkpoint, self.store, self.versions, self.start_version)
 
-        texts = Texts(self.tokenizer)
-        self.scoring = Scoring(texts=texts, scorer=self.scorer, buffer=self.buffer, ledger=self.ledger,
+        self.scoring = Scoring(texts=Texts(self.tokenizer), scorer=self.scorer, buffer=self.buffer, ledger=self.ledger,
                                outcomes=self.outcomes, filter_zero_advantage=pc.filter_zero_advantage,
                                spans=self.timeline["generation"], env_reward=env_reward)
         episodes = build.episodes(cfg, self._environment, builder, self.tokenizer)
@@ -264,7 +263,7 @@ class Pipeline:
         eval_items = eval_items[:cfg.eval.max_prompts or MAX_EVAL_PROMPTS] if cfg.eval.every else []
         self.evaluator = Evaluator(eval_items, cfg=cfg.eval, sampling=cfg.sampling, seed=cfg.seed, builder=rows,
                                    generator=self.generator, versions=self.versions, pins=pins, scoring=self.scoring,
-                                   texts=texts, outcomes=self.outcomes, write_row=self.reporting.write, batch=batch,
+                                   outcomes=self.outcomes, write_row=self.reporting.write, batch=batch,
                                    done=session.eval_done, rows=self.eval_rows) if eval_items else None
         self.reporting.watch(buffer=self.buffer, rotation=self.rotation, versions=self.versions,
                              generator=self.generator, scoring=self.scoring, reward_names=self.scoring.names,

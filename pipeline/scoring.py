@@ -102,9 +102,7 @@ class Scoring:
                                                   else "wrong_completion_count", gen, None)
                 continue
             keep.append((adm, gen))
-        ids = [[c.token_ids.tolist() for c in gen.completions] for _, gen in keep]
-        texts = await self.texts(ids)
-        scores = await self.score([gen for _, gen in keep], texts, ids)
+        scores = await self.score([gen for _, gen in keep])
         groups: list[RolloutGroup] = []
         now = time.monotonic()
         for (adm, gen), scored in zip(keep, scores):
@@ -129,13 +127,15 @@ class Scoring:
                     self.buffer.settle_in_flight(g.group_id, "shutdown")
                     self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
 
-    async def score(self, gens: list[Generation], texts: list[list[str]], ids: list[list[list[int]]]) -> list[Any]:
+    async def score(self, gens: list[Generation]) -> list[Any]:
         """Each group's (rewards [n], parts [F, n]) or the RewardError that failed it: the reward functions
-        on the completions (an episode's whole transcript), the environment's summed rewards, or both."""
+        on the decoded completions (an episode's whole transcript), the environment's summed rewards
+        (nothing decoded then), or both."""
         mode = self.env_reward
         if mode == "env":
             return [(env, env[None]) for env in map(_env_rewards, gens)]
-        scores = await self.scorer.score_many_parts([gen.request.prompt for gen in gens], texts, ids)
+        ids = [[c.token_ids.tolist() for c in gen.completions] for gen in gens]
+        scores = await self.scorer.score_many_parts([gen.request.prompt for gen in gens], await self.texts(ids), ids)
         if mode != "sum":
             return scores
         out = []
@@ -145,6 +145,7 @@ class Scoring:
                 scored = (scored[0] + env, np.vstack([env[None], scored[1]]))
             out.append(scored)
         return out
+
 
 def _env_rewards(gen: Generation) -> np.ndarray:
     """An episode group's environment rewards, each summed over the episode's steps."""
