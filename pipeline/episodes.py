@@ -60,12 +60,14 @@ class _Episode:
     """One episode's tokens so far and what its environment said."""
 
     env: EnvRunner
+    index: int  # its place among the group's n episodes
+    last: Completion | None = None  # the policy's latest turn, for the environment to take
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     turns: int = 0
     reward: float = 0.0
-    finish: str = ""  # "" while live; then "stop" (the environment ended it) or "length"
+    finish: str = ""  # "" while live; then "stop" (the environment ended it), "max_turns" or "length"
 
     def add(self, c: Completion) -> None:
         """The policy's turn: its sampled tokens with the engine's log-probs."""
@@ -73,6 +75,7 @@ class _Episode:
         self.logprobs += c.logprobs.tolist()
         self.mask += [True] * len(c.token_ids)
         self.turns += 1
+        self.last = c
 
     def completion(self) -> Completion:
         return Completion(np.asarray(self.tokens, dtype=np.int64), np.asarray(self.logprobs, dtype=np.float32),
@@ -91,8 +94,7 @@ class Episodes:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.request_timeout_s = request_timeout_s
-        budget = cfg.max_episode_tokens or builder.max_context
-        self.budget = budget  # prompt + completion tokens an episode may hold; None: no limit known
+        self.budget = cfg.max_episode_tokens or builder.max_context  # prompt + completion tokens an episode may hold; None: no limit known
         self.turns = 0  # policy turns sampled, over the session
         self.env_steps = 0
 
@@ -103,7 +105,7 @@ class Episodes:
         try:
             runners = await asyncio.gather(*(EnvRunner.open(self.factory, step_timeout_s=self.cfg.step_timeout_s)
                                              for _ in range(request.n)), return_exceptions=True)
-            episodes = [_Episode(r) for r in runners if isinstance(r, EnvRunner)]
+            episodes = [_Episode(r, i) for i, r in enumerate(runners) if isinstance(r, EnvRunner)]
             for r in runners:
                 if isinstance(r, BaseException):
                     raise r
@@ -115,22 +117,19 @@ class Episodes:
             gen = await self._call(engine, [first], adapter)
             for ep, c in zip(episodes, gen[0].completions):
                 ep.add(c)
-            last = list(gen[0].completions)
             while True:
+                await self._step(prompt, chat, [ep for ep in episodes if not ep.finish])
                 live = [ep for ep in episodes if not ep.finish]
-                await self._step(prompt, chat, live, [last[episodes.index(ep)] for ep in live])
-                live = [ep for ep in live if not ep.finish]
                 if not live:
                     break
                 turn = live[0].turns
                 requests = [GroupRequest(request.group_id, Prompt(prompt.id, "", prompt.token_ids + tuple(ep.tokens)),
                                          1, self._room(prompt, len(ep.tokens)),
-                                         None if request.seed is None else (request.seed * 31 + turn * 1009 + i) % 2**31,
-                                         turn=turn)
-                            for i, ep in enumerate(live)]
+                                         None if request.seed is None else
+                                         (request.seed * 31 + turn * 1009 + ep.index) % 2**31, turn=turn)
+                            for ep in live]
                 for ep, g in zip(live, await self._call(engine, requests, adapter)):
                     ep.add(g.completions[0])
-                    last[episodes.index(ep)] = g.completions[0]
         finally:
             await asyncio.gather(*(ep.env.close() for ep in episodes))
         return Generation(GroupRequest(request.group_id, prompt, request.n, request.max_new_tokens, request.seed),
@@ -181,16 +180,16 @@ class Episodes:
         self.turns += sum(r.n for r in requests)
         return results
 
-    async def _step(self, prompt: Prompt, chat: bool, live: list[_Episode], last: list[Completion]) -> None:
+    async def _step(self, prompt: Prompt, chat: bool, live: list[_Episode]) -> None:
         """Each live episode's environment takes the turn just sampled; its reply is appended, or it ends."""
-        actions = [self.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in last]
+        actions = [self.tokenizer.decode(ep.last.token_ids.tolist(), skip_special_tokens=True) for ep in live]
         results = await asyncio.gather(*(ep.env.step(a) for ep, a in zip(live, actions)), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         self.env_steps += len(live)
         crash_point("episode.after_step")
-        for ep, step, c in zip(live, results, last):
+        for ep, step in zip(live, results):
             ep.reward += step.reward
             if step.done or step.observation is None:
                 ep.finish = "stop"
@@ -201,7 +200,7 @@ class Episodes:
             try:
                 reply = render_observation(self.tokenizer, step.observation, chat=chat,
                                            chat_template=self.builder.chat_template,
-                                           turn_ended=c.finish_reason == "stop")
+                                           turn_ended=ep.last.finish_reason == "stop")
             except PromptError as e:
                 raise EnvError(f"environment {ep.env.name}: its observation cannot be rendered: {e}") from e
             if self.budget is not None and len(prompt.token_ids) + len(ep.tokens) + len(reply) >= self.budget:
