@@ -187,10 +187,13 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int) -> li
     elif cfg.engine.kind == "transformers":
         from pipeline.engines.transformers import TransformersEngine
 
+        # deterministic: each group decoded alone, so no group's numbers depend on which others it met
+        tcfg = replace(cfg.engine.transformers, max_batch_groups=1) if cfg.deterministic else cfg.engine.transformers
         make = lambda i, dev: TransformersEngine(
-            model_path, sampling=cfg.sampling, cfg=cfg.engine.transformers, device=dev, dtype=cfg.model.dtype,
+            model_path, sampling=cfg.sampling, cfg=tcfg, device=dev, dtype=cfg.model.dtype,
             max_loaded_adapters=cfg.engine.transformers.max_loaded_adapters or K + 1, seed=cfg.seed + offset + i,
-            name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code, full_weights=full)
+            name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code, full_weights=full,
+            deterministic=cfg.deterministic)
     else:
         from pipeline.engines.vllm import VLLMEngine
 
@@ -210,8 +213,10 @@ def build_trainer(cfg: RunConfig, model_path: str | None) -> Any:
     from pipeline.trainer_process import ProcessTrainer
 
     cls = ProcessTrainer if cfg.trainer.separate_process else LoRATrainer
-    return cls(model_path, cfg.trainer, cfg.loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
-               keep_versions=cfg.pipeline.max_staleness + 2)
+    # aggregation = "constant" divides by sequences x norm_tokens; 0 there means the completion cap
+    loss = replace(cfg.loss, norm_tokens=cfg.loss.norm_tokens or cfg.sampling.max_new_tokens)
+    return cls(model_path, cfg.trainer, loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
+               keep_versions=cfg.pipeline.max_staleness + 2, deterministic=cfg.deterministic)
 
 
 def episodes(cfg: RunConfig, factory: Any, builder: Any, tokenizer: Any) -> Any:

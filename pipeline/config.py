@@ -383,9 +383,13 @@ class TrainerConfig:
     sched_idle: bool = False  # on the CPU, run that process under Linux SCHED_IDLE: less loop lag, less throughput (docs/results.md)
     max_consecutive_skips: int = 3  # this many non-finite steps in a row stop the run (after a checkpoint)
     step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
+    minibatches: int = 1  # optimizer steps per batch per epoch (the batch split in this many parts); > 1 makes ppo's clip act
+    epochs: int = 1  # passes over the batch per step; minibatches x epochs optimizer steps publish one version
 
     def __post_init__(self) -> None:
         _check_device("trainer.device", self.device)
+        _check(self.minibatches >= 1, "trainer.minibatches", ">= 1", self.minibatches)
+        _check(self.epochs >= 1, "trainer.epochs", ">= 1", self.epochs)
         _check(self.lr >= 0 and math.isfinite(self.lr), "trainer.lr", ">= 0", self.lr)
         _check(self.weight_decay >= 0, "trainer.weight_decay", ">= 0", self.weight_decay)
         _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "trainer.betas",
@@ -405,20 +409,33 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """GRPO advantages and the importance-corrected policy loss."""
+    """GRPO advantages and the importance-corrected policy loss; the family and its recipes: docs/learning.md."""
 
-    correction: Literal["tis", "ppo", "none"] = "tis"  # tis: truncated IS; ppo: decoupled PPO; none: plain
-    is_cap: float = 2.0  # C: truncation of the behaviour importance weight (tis and ppo)
-    clip_eps: float = 0.2  # ppo: clip of the ratio to the proximal policy
-    scale_rewards: bool = True  # divide group-centred rewards by the group's std
-    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"  # mean over tokens, or per sequence first
+    correction: Literal["tis", "ppo", "none"] = "tis"  # tis: truncated IS; ppo: decoupled PPO (clips from trainer.minibatches/epochs > 1); none: plain
+    is_cap: float = 2.0  # C: cap of the behaviour importance weight (tis and ppo)
+    is_mode: Literal["truncate", "mask"] = "truncate"  # above the cap: weigh the token C (truncate), or drop it (mask, AReaL's filter)
+    ratio_level: Literal["token", "sequence"] = "token"  # sequence: one ratio per sequence, the geometric mean of its tokens' (GSPO); needs aggregation = "seq_mean"
+    clip_eps: float = 0.2  # ppo: clip of the ratio to the proximal policy (GSPO uses ~3e-4 with ratio_level = "sequence")
+    scale_rewards: bool = True  # divide group-centred rewards by the group's std (false for Dr.GRPO)
+    std: Literal["population", "sample"] = "population"  # that std: divide by n (GRPO's paper) or n - 1 (Bessel, TRL's)
+    aggregation: Literal["token_mean", "seq_mean", "constant"] = "token_mean"  # tokens / count (DAPO), per sequence first (GRPO), or tokens / (sequences x norm_tokens) (Dr.GRPO)
+    norm_tokens: int = 0  # aggregation = "constant": the constant; 0 = sampling.max_new_tokens
+    kl_coef: float = 0.0  # weight of a k3 KL penalty to the reference policy (LoRA: the base model, adapter off; full: a frozen copy); 0 = off
     logratio_clamp: float = 20.0  # |log-ratio| cap before exp, so a large mismatch cannot overflow
 
     def __post_init__(self) -> None:
         _check(self.is_cap >= 1, "loss.is_cap", ">= 1", self.is_cap)
         _check(0 < self.clip_eps < 1, "loss.clip_eps", "in (0, 1)", self.clip_eps)
+        _check(self.norm_tokens >= 0, "loss.norm_tokens", ">= 0 (0 = sampling.max_new_tokens)", self.norm_tokens)
+        _check(self.kl_coef >= 0 and math.isfinite(self.kl_coef), "loss.kl_coef", ">= 0 (0 = off)", self.kl_coef)
         # above ~80, exp(clamp) * advantage overflows float32 in the ppo objective
         _check(0 < self.logratio_clamp <= 50, "loss.logratio_clamp", "in (0, 50]", self.logratio_clamp)
+        if self.ratio_level == "sequence" and self.aggregation != "seq_mean":
+            raise ConfigError(f'loss.ratio_level = "sequence" weighs each sequence by one ratio, so its loss is a mean '
+                              f'over sequences: set loss.aggregation = "seq_mean" (got {self.aggregation!r})')
+        if self.is_mode == "mask" and self.correction == "none":
+            raise ConfigError('loss.is_mode = "mask" drops tokens whose importance weight exceeds loss.is_cap, but '
+                              'loss.correction = "none" computes no weight; use correction = "tis" or "ppo"')
 
 
 @dataclass(frozen=True)
@@ -494,6 +511,7 @@ class RunConfig:
     """A whole run."""
 
     seed: int = 0  # seeds prompts order, engines, trainer init and the built-in model
+    deterministic: bool = False  # same seed, same run: identical per-step rewards and weights (transformers or simulated engines; slower: docs/learning.md#determinism)
     out: str = ""  # run directory; "" = runs/<timestamp>
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -523,6 +541,8 @@ class RunConfig:
                 "the policy's own); use temperature = 1, top_p = 1, top_k = 0, min_p = 0 and no penalties, "
                 'or set loss.correction = "none"'
             )
+        if self.deterministic:
+            _check_deterministic(self)
         if self.engine.kind == "vllm_server" and self.trainer.update == "full":
             raise ConfigError('trainer.update = "full" is not supported by engine.kind = "vllm_server" (a server '
                               'reloads LoRA adapters at run time, not whole weights); use engine.kind = "vllm"')
@@ -536,6 +556,22 @@ class RunConfig:
         ):
             raise ConfigError("sampling penalties are not supported by engine.kind = \"transformers\"; "
                               "use engine.kind = \"vllm\" or leave them off")
+
+
+def _check_deterministic(cfg: RunConfig) -> None:
+    """What `deterministic = true` cannot make repeatable is refused, naming the setting."""
+    if cfg.engine.kind not in ("transformers", "simulated"):
+        raise ConfigError(f'deterministic = true needs engine.kind = "transformers" or "simulated", got '
+                          f'{cfg.engine.kind!r}: vLLM\'s batched kernels give results that depend on what else '
+                          "is in the batch")
+    if cfg.pipeline.filter_zero_advantage:
+        raise ConfigError("deterministic = true cannot be combined with pipeline.filter_zero_advantage = true: "
+                          "which later group fills a dropped group's slot depends on timing")
+    sim = cfg.engine.simulated
+    if cfg.engine.kind == "simulated" and (sim.fail_rate or sim.hang_rate or sim.die_after):
+        raise ConfigError("deterministic = true cannot be combined with injected engine faults "
+                          "(engine.simulated.fail_rate, hang_rate, die_after): a group that fails for good gives "
+                          "its place to a later one, and which one depends on timing")
 
 
 if __name__ == "__main__":  # `python -m pipeline.config` prints the reference (docs/configuration.md)

@@ -393,13 +393,35 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
     input_ids: [N, L], attention_mask: [N, L] (right padding). out[:, 0] = 0 and padding gets 0.
     """
+    return token_logprobs_and_entropy(model, input_ids, attention_mask, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`, and with `entropy` the entropy [N, L] of the model's next-token
+    distribution at each position that predicts a token (no gradient; 0 where out is 0).
+
+    The entropy is computed one row at a time, so it costs one [L, V] float32 tensor more than the
+    forward pass, never a second [N, L, V] one.
+    """
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [N, L-1, V]
     logits = logits.float()
     targets = input_ids[:, 1:].unsqueeze(-1)  # [N, L-1, 1]
     # gather - logsumexp: the log-softmax of only the tokens we need, never a second [N, L, V] tensor
-    picked = logits.gather(-1, targets).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [N, L-1]
-    picked = torch.where(attention_mask[:, 1:].bool(), picked, torch.zeros_like(picked))
-    return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets).squeeze(-1) - lse  # [N, L-1]
+    real = attention_mask[:, 1:].bool()
+    picked = torch.where(real, picked, torch.zeros_like(picked))
+    out = torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
+    if not entropy:
+        return out, None
+    with torch.no_grad():
+        ent = torch.zeros_like(out)
+        for i in range(logits.shape[0]):  # H = logsumexp(z) - sum softmax(z) * z
+            row = logits[i].detach()
+            ent[i, 1:] = lse[i].detach() - (torch.softmax(row, dim=-1) * row).sum(dim=-1)
+        ent[:, 1:] = torch.where(real, ent[:, 1:], torch.zeros_like(ent[:, 1:]))
+    return out, ent
 
 
 def completion_logprobs(

@@ -12,9 +12,17 @@ Invariants:
   (LoRA B starts at zero; full mode starts from the loaded weights), so engines at version 0
   sample the same policy the trainer starts from.
 - `step` is synchronous and blocking: the orchestrator runs it in a worker thread, never on
-  the event loop. The proximal policy of the decoupled PPO loss is the weights at the start of
-  the step; with one optimizer step per batch that is the detached current log-probs.
-- A step whose loss or gradient norm is not finite changes no weight (it is skipped and counted).
+  the event loop. A step is trainer.epochs passes over the batch in trainer.minibatches parts,
+  one optimizer step each, and publishes one version. The proximal policy of the loss is the
+  weights at the start of the step: with one optimizer step, the detached current log-probs;
+  with more, log-probs computed once without grad before the first (timed: train/proximal_s),
+  so decoupled PPO's clip acts from the second optimizer step on. The KL reference (loss.kl_coef)
+  is the base model with the LoRA adapter disabled, or in full mode a frozen copy loaded once.
+- An optimizer step whose loss or gradient norm is not finite changes no weight and ends its
+  step, which counts as skipped (the earlier optimizer steps of that step stand).
+- train/ess is the effective sample size of the whole batch's importance weights, not a mean
+  over micro-batches; train/entropy is the mean entropy of the policy's next-token distribution
+  at the sampled tokens, at the start of the step.
 - Only tokens the policy sampled (`Completion.sampled`) are weighed: the loss, its gradient, the
   train/* ratio and weight statistics, the token counts and the micro-batch weights. Environment
   tokens of a multi-turn episode are context of the forward pass and nothing else: their
@@ -57,8 +65,9 @@ import torch
 
 from pipeline.config import LossConfig, TrainerConfig
 from pipeline.errors import ConfigError
-from pipeline.loss import group_advantages, policy_loss
-from pipeline.models import quiet_progress, building_modules, load_causal_lm, pack_sequences, token_logprobs
+from pipeline.loss import effective_sample_size, group_advantages, policy_loss
+from pipeline.models import (building_modules, load_causal_lm, pack_sequences, quiet_progress,
+                             token_logprobs_and_entropy)
 from pipeline.trainer_state import (UPDATE_MODES, Counters, read_simulated_state, read_state, write_simulated_state,
                                     write_state)
 from pipeline.types import Batch, RolloutGroup, TrainStats
@@ -91,9 +100,10 @@ class LoRATrainer:
     """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *, seed: int = 0,
-                 trust_remote_code: bool = False, keep_versions: int = 3) -> None:
+                 trust_remote_code: bool = False, keep_versions: int = 3, deterministic: bool = False) -> None:
         """keep_versions: log-probs can be recomputed under this many recent versions (>= 1);
-        full mode keeps at most FULL_KEEP_VERSIONS, since each older one is a whole-model copy."""
+        full mode keeps at most FULL_KEEP_VERSIONS, since each older one is a whole-model copy.
+        deterministic: torch's deterministic algorithms (same batches, same seed: same weights)."""
         if keep_versions < 1:
             raise ConfigError(f"keep_versions must be >= 1 (the current version), got {keep_versions}")
         self.model_path = str(model_path)
@@ -104,10 +114,12 @@ class LoRATrainer:
         self.loss_cfg = loss_cfg
         self.seed = seed
         self.trust_remote_code = trust_remote_code
+        self.deterministic = deterministic
         self.version = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0  # non-finite steps in a row; the orchestrator stops the run at a limit
         self.model: torch.nn.Module | None = None
+        self.reference: torch.nn.Module | None = None  # full mode with loss.kl_coef > 0: the frozen base
         self.optimizer: torch.optim.Optimizer | None = None
         self.pad_id = 0
 
@@ -115,11 +127,17 @@ class LoRATrainer:
         """Load the base model; wrap it with a fresh LoRA adapter, or make every weight trainable (blocking)."""
         from transformers import AutoTokenizer
 
+        if self.deterministic:
+            # warn_only: an op without a deterministic kernel warns (in the log) rather than stop the run
+            torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(self.seed)
         base = load_causal_lm(self.model_path, self.cfg.device, self.cfg.dtype, self.trust_remote_code)
         tok = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         model = self._full_model(base) if self.full else self._lora_model(base)
+        if self.full and self.loss_cfg.kl_coef > 0:  # LoRA's reference is the base with the adapter off: free
+            self.reference = load_causal_lm(self.model_path, self.cfg.device, self.cfg.dtype, self.trust_remote_code)
+            self.reference.eval().requires_grad_(False)
         model.train()
         self.model = model
         # parameters() yields a tied weight (lm_head = embed_tokens) once, so AdamW steps it once
@@ -167,7 +185,7 @@ class LoRATrainer:
         rewards = [torch.as_tensor(g.rewards, dtype=torch.float32) for g in groups]
         rows = _Rows()
         for gi, (g, r) in enumerate(zip(groups, rewards)):
-            a = group_advantages(r[None, :], scale=self.loss_cfg.scale_rewards)[0]
+            a = group_advantages(r[None, :], scale=self.loss_cfg.scale_rewards, std=self.loss_cfg.std)[0]
             for ci, (c, adv) in enumerate(zip(g.completions, a.tolist())):
                 if len(c.token_ids) == 0 or not (all_tokens or c.mask is None or c.mask.any()):
                     continue  # nothing was sampled: no token to weigh
@@ -179,83 +197,198 @@ class LoRATrainer:
                 rows.owner.append((gi, ci))
         return rows
 
-    def _micro_batches(self, n: int) -> list[slice]:
+    def _micro_batches(self, rows: Sequence[int]) -> list[list[int]]:
+        """`rows` (indices into a _Rows) in forward/backward passes of micro_batch_sequences each."""
         m = self.cfg.micro_batch_sequences
-        return [slice(i, min(n, i + m)) for i in range(0, n, m)]
+        return [list(rows[i:i + m]) for i in range(0, len(rows), m)]
 
-    def _forward(self, rows: _Rows, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the rows `sl` under the current weights, over every token (environment
-        tokens are context): ([n, L] log-probs, [n, L] mask of the sampled completion tokens)."""
-        ids, attn, cmask = pack_sequences(rows.prompts[sl], rows.comps[sl], self.pad_id, rows.sampled[sl])
+    def _forward(self, rows: _Rows, idx: Sequence[int], *, entropy: bool = False,
+                 model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the rows `idx` under the current weights (or `model`), over every token
+        (environment tokens are context): ([n, L] log-probs, [n, L] mask of the sampled
+        completion tokens, [n, L] entropy of each next-token distribution or None)."""
+        ids, attn, cmask = pack_sequences([rows.prompts[i] for i in idx], [rows.comps[i] for i in idx], self.pad_id,
+                                          [rows.sampled[i] for i in idx])
         dev = self.cfg.device
-        lp = token_logprobs(self.model, ids.to(dev), attn.to(dev))
-        return lp, cmask.to(dev)
+        lp, ent = token_logprobs_and_entropy(model or self.model, ids.to(dev), attn.to(dev), entropy=entropy)
+        return lp, cmask.to(dev), ent
+
+    @torch.no_grad()
+    def _fixed_logprobs(self, rows: _Rows, reference: bool) -> list[torch.Tensor]:
+        """Per row, the log-probs [prompt + completion] under the weights at the start of the step
+        (the proximal policy) or, with `reference`, under the reference policy: computed once, no grad."""
+        out: list[torch.Tensor] = []
+        with contextlib.ExitStack() as stack:
+            model = self.model
+            if reference and self.reference is not None:
+                model = self.reference
+            elif reference:
+                stack.enter_context(self.model.disable_adapter())  # peft: the base model, adapter off
+            for idx in self._micro_batches(range(len(rows.comps))):
+                lp, _, _ = self._forward(rows, idx, model=model)
+                out.extend(lp[i, :len(rows.prompts[r]) + len(rows.comps[r])].detach() for i, r in enumerate(idx))
+        return out
+
+    @staticmethod
+    def _padded(values: list[torch.Tensor], idx: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        """values[r] for r in idx, right-padded with 0 into the [n, L] layout of `like`."""
+        out = torch.zeros_like(like)
+        for i, r in enumerate(idx):
+            out[i, :len(values[r])] = values[r].to(out.device)
+        return out
+
+    def _behaviour(self, rows: _Rows, idx: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        """The engine's log-probs of rows `idx` where it sampled, in the [n, L] layout of `like`;
+        its 0 on environment tokens lies outside the completion mask."""
+        beh = torch.zeros_like(like)
+        for i, r in enumerate(idx):
+            start = len(rows.prompts[r])
+            beh[i, start:start + len(rows.behaviour[r])] = torch.as_tensor(rows.behaviour[r], device=like.device)
+        return beh
+
+    def _minibatches(self, n: int, step: int, epoch: int) -> list[list[int]]:
+        """The rows of one epoch in trainer.minibatches parts; shuffled per (seed, step, epoch) when
+        there is more than one part, so every epoch splits the batch differently but repeatably."""
+        parts = min(self.cfg.minibatches, n) or 1
+        order = list(range(n))
+        if parts > 1:
+            order = np.random.default_rng([self.seed, step, epoch]).permutation(n).tolist()
+        return [order[i * n // parts:(i + 1) * n // parts] for i in range(parts)]
 
     # ------------------------------------------------------------------ step
 
     def step(self, batch: Batch) -> TrainStats:
-        """One corrected GRPO step on a batch; returns the stats of the step (blocking)."""
+        """One corrected GRPO step on a batch: trainer.epochs x trainer.minibatches optimizer steps,
+        then the version counts up by one. Returns the stats of the step (blocking).
+
+        With more than one optimizer step the proximal log-probs (the weights at the start of the
+        step) are computed once, without grad, before the first; with one they are the detached
+        current log-probs, the same values. The reference log-probs (loss.kl_coef > 0) likewise.
+        An optimizer step whose loss or gradient norm is not finite changes no weight and ends the
+        step (its later optimizer steps are not taken); the step then counts as skipped.
+        """
         assert self.model is not None and self.optimizer is not None, "call setup() first"
         t0 = time.monotonic()
         rows = self._rows(batch.groups)
         n = len(rows.comps)
-        total_tokens = rows.sampled_tokens()  # what token_mean averages over: sampled tokens only
+        if batch.keep_version:  # before any optimizer step changes the weights
+            self._keep_current_version()
+        updates = self.cfg.epochs * self.cfg.minibatches
+        metrics: dict[str, float] = {}
+        prox = ref = None
+        if updates > 1 and self.loss_cfg.correction != "none":
+            t = time.monotonic()
+            prox = self._fixed_logprobs(rows, reference=False)
+            metrics["train/proximal_s"] = time.monotonic() - t
+        if self.loss_cfg.kl_coef > 0:
+            t = time.monotonic()
+            ref = self._fixed_logprobs(rows, reference=True)
+            metrics["train/reference_s"] = time.monotonic() - t
         advs = torch.tensor(rows.advantages, dtype=torch.float32)
         acc: dict[str, float] = {}
-        ratio_max = 0.0
-        loss_total = 0.0
+        weights = [0.0, 0.0, 0.0]  # the importance weights of the batch, once: sum, sum of squares, tokens
+        losses: list[float] = []
+        norms: list[float] = []
+        skipped = False
+        for epoch in range(self.cfg.epochs):
+            for part in self._minibatches(n, batch.step, epoch):
+                loss = self._backward(rows, part, advs, prox, ref, acc, weights if epoch == 0 else None,
+                                      entropy=epoch == 0, share=1 / updates)
+                grad_norm = self._clip_gradients()
+                losses.append(loss)
+                norms.append(grad_norm)
+                if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                    skipped = True
+                    break
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if skipped:
+                break
         self.optimizer.zero_grad(set_to_none=True)
-        for sl in self._micro_batches(n):
-            lp, cmask = self._forward(rows, sl)
-            # the engine's log-probs where it sampled; its 0 on environment tokens lies outside cmask
-            beh = torch.zeros_like(lp)
-            for i, b in enumerate(rows.behaviour[sl]):
-                start = len(rows.prompts[sl][i])
-                beh[i, start:start + len(b)] = torch.as_tensor(b, device=lp.device)
-            adv = advs[sl].to(lp.device)
-            loss, stats = policy_loss(lp, beh, adv, cmask, self.loss_cfg)
-            if self.loss_cfg.aggregation == "token_mean":
-                weight = float(cmask.sum()) / max(1, total_tokens)
-            else:
-                weight = (sl.stop - sl.start) / max(1, n)
-            (loss * weight).backward()
-            loss_total += float(loss.detach()) * weight
-            for k, v in stats.items():
-                if k == "ratio_max":
-                    ratio_max = max(ratio_max, v)
-                elif k in ("tokens", "masked_nonfinite"):
-                    acc[k] = acc.get(k, 0.0) + v
-                else:
-                    acc[k] = acc.get(k, 0.0) + v * float(cmask.sum()) / max(1, total_tokens)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.cfg.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        else:
-            grad_norm = float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
-        skipped = not (math.isfinite(loss_total) and math.isfinite(grad_norm))
-        if batch.keep_version:
-            self._keep_current_version()
         if skipped:
             self.skipped_steps += 1
             self.consecutive_skips += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            log.warning("train_step_skipped", step=batch.step, loss=loss_total, grad_norm=grad_norm,
-                        consecutive_skips=self.consecutive_skips)
+            log.warning("train_step_skipped", step=batch.step, loss=losses[-1], grad_norm=norms[-1],
+                        optimizer_steps_taken=len(losses) - 1, consecutive_skips=self.consecutive_skips)
         else:
             self.consecutive_skips = 0
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         for v in [v for v in self._snapshots if v <= self.version - self.keep_versions]:
             del self._snapshots[v]
         rewards = np.concatenate([g.rewards for g in batch.groups]) if batch.groups else np.zeros(0)
-        metrics = {f"train/{k}": v for k, v in acc.items()}
+        ratio_max = acc.pop("ratio_max", 0.0)
+        metrics.update({f"train/{k}": v for k, v in acc.items()})
         metrics.update({
-            "train/loss": loss_total, "train/grad_norm": grad_norm, "train/ratio_max": ratio_max,
-            "train/skipped": float(skipped), "train/sequences": float(n), "train/lr": self.cfg.lr,
+            "train/loss": float(np.mean(losses)) if losses else 0.0,
+            "train/grad_norm": float(np.mean(norms)) if norms else 0.0, "train/ratio_max": ratio_max,
+            "train/ess": effective_sample_size(weights[0], weights[1], weights[2]),
+            "train/optimizer_steps": float(len(losses) - skipped), "train/skipped": float(skipped),
+            "train/sequences": float(n), "train/lr": self.cfg.lr,
             "train/reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
         })
         return TrainStats(step=batch.step, version=self.version, metrics=metrics, t_start=t0, t_end=time.monotonic())
+
+    def loss_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
+        """The loss of `batch` and its gradient for every trainable parameter, as the step's first
+        optimizer step sees them (before clipping), without changing any weight (blocking)."""
+        assert self.model is not None and self.optimizer is not None, "call setup() first"
+        rows = self._rows(batch.groups)
+        ref = self._fixed_logprobs(rows, reference=True) if self.loss_cfg.kl_coef > 0 else None
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._backward(rows, list(range(len(rows.comps))), torch.tensor(rows.advantages, dtype=torch.float32),
+                              None, ref, {}, None, entropy=False, share=1.0)
+        grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                 for n, p in self._trainable()}
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grads
+
+    def _clip_gradients(self) -> float:
+        """The gradient norm, before clipping it to trainer.grad_clip (when on)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.cfg.grad_clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
+        return float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+
+    def _backward(self, rows: _Rows, part: list[int], advs: torch.Tensor, prox: list[torch.Tensor] | None,
+                  ref: list[torch.Tensor] | None, acc: dict[str, float], weights: list[float] | None, *,
+                  entropy: bool, share: float) -> float:
+        """Forward and backward over the rows `part` (one optimizer step's), in micro-batches whose
+        losses are weighed so their sum is the loss of the whole part; returns that loss, the
+        gradients left in place. Statistics go into `acc` (each optimizer step's weighed by `share`
+        of the step), the importance-weight sums into `weights` when given."""
+        part_tokens = sum(len(rows.comps[r]) if rows.sampled[r] is None else int(np.count_nonzero(rows.sampled[r]))
+                          for r in part)  # what token_mean averages over: sampled tokens only
+        loss_total = 0.0
+        for idx in self._micro_batches(part):
+            lp, cmask, ent = self._forward(rows, idx, entropy=entropy)
+            beh = self._behaviour(rows, idx, lp)
+            loss, stats = policy_loss(
+                lp, beh, advs[idx].to(lp.device), cmask, self.loss_cfg,
+                proximal_logprobs=None if prox is None else self._padded(prox, idx, lp),
+                reference_logprobs=None if ref is None else self._padded(ref, idx, lp),
+                norm_tokens=self.loss_cfg.norm_tokens)
+            tokens = float(cmask.sum())
+            # token_mean: this micro-batch's share of the part's tokens; per sequence: of its sequences
+            weight = tokens / max(1, part_tokens) if self.loss_cfg.aggregation == "token_mean" else len(idx) / len(part)
+            (loss * weight).backward()
+            loss_total += float(loss.detach()) * weight
+            if weights is not None:
+                weights[0] += stats["is_weight_sum"]
+                weights[1] += stats["is_weight_sq_sum"]
+                weights[2] += stats["tokens"]
+            if entropy and tokens:
+                acc["entropy"] = acc.get("entropy", 0.0) + float(ent[cmask].double().sum()) / max(1, rows.sampled_tokens())
+            for k, v in stats.items():
+                if k in ("ess", "is_weight_sum", "is_weight_sq_sum"):
+                    continue
+                if k == "ratio_max":
+                    acc[k] = max(acc.get(k, 0.0), v)
+                elif k in ("tokens", "masked_nonfinite"):
+                    if entropy:  # counted over one pass of the batch
+                        acc[k] = acc.get(k, 0.0) + v
+                else:
+                    acc[k] = acc.get(k, 0.0) + v * share * tokens / max(1, part_tokens)
+        return loss_total
 
     # ------------------------------------------------------------------ other services
 
@@ -321,12 +454,11 @@ class LoRATrainer:
                 idx = [i for i, g in enumerate(groups) if g.version == version]
                 rows = self._rows([groups[i] for i in idx], all_tokens=True)
                 with self._weights_of(version):
-                    for sl in self._micro_batches(len(rows.comps)):
-                        lp, _ = self._forward(rows, sl)
-                        for i in range(sl.stop - sl.start):
-                            (gi, ci), start = rows.owner[sl.start + i], len(rows.prompts[sl.start + i])
-                            end = start + len(rows.comps[sl.start + i])
-                            out[idx[gi]][ci] = lp[i, start:end].float().cpu().numpy()
+                    for part in self._micro_batches(range(len(rows.comps))):
+                        lp, _, _ = self._forward(rows, part)
+                        for i, r in enumerate(part):
+                            (gi, ci), start = rows.owner[r], len(rows.prompts[r])
+                            out[idx[gi]][ci] = lp[i, start:start + len(rows.comps[r])].float().cpu().numpy()
         finally:
             self.model.train(was_training)
         return out

@@ -131,10 +131,11 @@ class ProcessTrainer:
     """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *, seed: int = 0,
-                 trust_remote_code: bool = False, keep_versions: int = 3, start_timeout_s: float = 600.0,
-                 trainer_cls: type | None = None) -> None:
+                 trust_remote_code: bool = False, keep_versions: int = 3, deterministic: bool = False,
+                 start_timeout_s: float = 600.0, trainer_cls: type | None = None) -> None:
         self._args = (str(model_path), cfg, loss_cfg)
-        self._kwargs = {"seed": seed, "trust_remote_code": trust_remote_code, "keep_versions": keep_versions}
+        self._kwargs = {"seed": seed, "trust_remote_code": trust_remote_code, "keep_versions": keep_versions,
+                        "deterministic": deterministic}
         self._trainer_cls = trainer_cls
         self.start_timeout_s = start_timeout_s
         self.step_timeout_s = cfg.step_timeout_s

@@ -323,7 +323,7 @@ def test_a_config_path_that_is_missing_a_directory_or_unreadable_names_it(tmp_pa
     ("seed", r"^override 'seed' must look like section\.key=value$"),
     ("seed.x=1", r"^override seed\.x: seed is a value \(an integer\), not a section$"),
     ("pipeline.stepz=1", r"^override pipeline\.stepz: unknown key 'pipeline\.stepz'; allowed here: steps"),
-    ("junk.x=1", r"^override junk\.x: unknown key 'junk'; allowed here: seed, out, model"),
+    ("junk.x=1", r"^override junk\.x: unknown key 'junk'; allowed here: seed, deterministic, out, model"),
     ("seed=1\nout=2", r"^override seed: the value must be on one line"),
     ("seed=" + "[" * 5000, r"^override seed: the value nests too deeply"),
     ("engine.kind=", r"^engine\.kind must be one of"),

@@ -14,7 +14,7 @@ from pipeline.errors import ConfigError
 from pipeline.loss import group_advantages, logprob_mismatch, policy_loss
 
 CORRECTIONS = ("none", "tis", "ppo")
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
 def cfg(**kw) -> LossConfig:
@@ -342,10 +342,12 @@ def test_policy_loss_refuses_wrong_shapes_and_unknown_modes():
     correction=st.sampled_from(CORRECTIONS), aggregation=st.sampled_from(AGGREGATIONS),
     log10_mismatch=st.floats(-3, 4), log10_adv=st.floats(-3, 3), nonfinite_p=st.sampled_from([0.0, 0.1, 0.5]),
     is_cap=st.floats(1, 10), clip_eps=st.floats(0.01, 0.99), clamp=st.floats(0.5, 50),
-    with_proximal=st.booleans(),
+    with_proximal=st.booleans(), is_mode=st.sampled_from(["truncate", "mask"]), sequence=st.booleans(),
+    kl_coef=st.sampled_from([0.0, 0.1, 10.0]),
 )
 def test_loss_and_stats_are_always_finite(n, t, seed, correction, aggregation, log10_mismatch, log10_adv,
-                                          nonfinite_p, is_cap, clip_eps, clamp, with_proximal):
+                                          nonfinite_p, is_cap, clip_eps, clamp, with_proximal, is_mode, sequence,
+                                          kl_coef):
     g = torch.Generator().manual_seed(seed)
     lp = -10 * torch.rand(n, t, generator=g)
     beh = lp + 10**log10_mismatch * torch.randn(n, t, generator=g)
@@ -357,13 +359,124 @@ def test_loss_and_stats_are_always_finite(n, t, seed, correction, aggregation, l
         hit = torch.rand(n, t, generator=g) < nonfinite_p
         x[hit] = specials[torch.randint(0, 3, (int(hit.sum()),), generator=g)]
     adv[torch.rand(n, generator=g) < nonfinite_p / 2] = float("nan")
-    c = cfg(correction=correction, aggregation=aggregation, is_cap=is_cap, clip_eps=clip_eps, logratio_clamp=clamp)
+    if correction == "none":
+        is_mode = "truncate"  # mask needs a weight to compare with the cap
+    if sequence:
+        aggregation = "seq_mean"
+    c = cfg(correction=correction, aggregation=aggregation, is_cap=is_cap, clip_eps=clip_eps, logratio_clamp=clamp,
+            is_mode=is_mode, ratio_level="sequence" if sequence else "token", kl_coef=kl_coef, norm_tokens=t)
+    ref = lp + 10**log10_mismatch * torch.randn(n, t, generator=g)
 
-    loss, grad, stats = run(lp, beh, adv, mask, c, prox)
+    lp_leaf = lp.detach().clone().requires_grad_(True)
+    loss, stats = policy_loss(lp_leaf, beh, adv, mask, c, prox, ref)
+    loss.backward()
+    grad = lp_leaf.grad
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(math.isfinite(v) for v in stats.values()), stats
-    assert 0 < stats["ess"] <= 1
+    assert (0 if is_mode == "mask" else 1e-300) <= stats["ess"] <= 1
     assert stats["tokens"] + stats["masked_nonfinite"] == mask.sum().item()
     for key in ("truncated_frac", "clipped_frac"):
         assert 0 <= stats[key] <= 1
     assert stats["kl_behaviour_trainer"] >= -1e-12 and stats["is_weight_mean"] <= is_cap * (1 + 1e-6)
+
+
+# --------------------------------------------------------------------------- the loss family
+
+
+def test_sample_std_is_bessel_corrected():
+    rewards = torch.tensor([[1.0, 2.0, 3.0, 7.0]])
+    pop = group_advantages(rewards, scale=True, eps=0.0, std="population")
+    sample = group_advantages(rewards, scale=True, eps=0.0, std="sample")
+    centred = rewards - rewards.mean()
+    assert torch.allclose(pop, centred / rewards.std(unbiased=False))
+    assert torch.allclose(sample, centred / rewards.std(unbiased=True))
+    assert torch.allclose(sample / pop, torch.full_like(pop, math.sqrt(3 / 4)))
+    assert torch.equal(group_advantages(torch.tensor([[2.0]]), scale=True, std="sample"), torch.zeros(1, 1))
+    with pytest.raises(ConfigError, match="loss.std"):
+        group_advantages(rewards, scale=True, std="unbiased")
+
+
+def test_mask_mode_drops_tokens_above_the_cap_and_keeps_them_in_the_denominator():
+    lp, adv, mask = random_batch(seed=21)
+    mask = torch.ones_like(mask)
+    beh = lp.clone()
+    beh[:, ::2] -= 2.0  # weight e^2 = 7.4 > cap 2 on even tokens; 1 on odd ones
+    loss_m, grad_m, stats_m = run(lp, beh, adv, mask, cfg(correction="tis", is_mode="mask"))
+    loss_t, grad_t, stats_t = run(lp, beh, adv, mask, cfg(correction="tis", is_mode="truncate"))
+    n = mask.sum()
+    assert torch.equal(grad_m[:, ::2], torch.zeros_like(grad_m[:, ::2]))
+    assert torch.allclose(grad_m[:, 1::2], -adv[:, None].expand_as(lp)[:, 1::2] / n)  # same denominator: all tokens
+    assert torch.allclose(grad_t[:, ::2], -2.0 * adv[:, None].expand_as(lp)[:, ::2] / n)  # truncated to C = 2
+    assert stats_m["truncated_frac"] == stats_t["truncated_frac"] == pytest.approx(0.5)
+    assert stats_m["is_weight_mean"] == pytest.approx(0.5) and stats_t["is_weight_mean"] == pytest.approx(1.5)
+    assert stats_m["ess"] == pytest.approx(0.5)  # half the weights 0, half equal
+
+
+def test_sequence_level_ratio_is_the_geometric_mean_of_the_tokens_ratios():
+    """GSPO: one ratio per sequence, exp(mean over its tokens of lp - prox), clipped as a whole."""
+    lp, adv, mask = random_batch(n=3, t=5, seed=22)
+    g = torch.Generator().manual_seed(22)
+    prox = lp + 0.05 * torch.randn(lp.shape, generator=g)
+    eps = 0.01
+    c = cfg(correction="ppo", ratio_level="sequence", aggregation="seq_mean", clip_eps=eps)
+    loss, grad, stats = run(lp, lp.clone(), adv, mask, c, prox)  # behaviour = trainer: weight exp(prox - beh)
+    leaf = lp.clone().requires_grad_(True)
+    m = mask.float()
+    s = torch.exp(((leaf - prox) * m).sum(1) / m.sum(1))
+    w = torch.exp(((prox - lp) * m).sum(1) / m.sum(1)).clamp(max=2.0)
+    obj = torch.minimum(s * adv, s.clamp(1 - eps, 1 + eps) * adv)
+    want = -(w * obj).mean()
+    want.backward()
+    assert torch.allclose(loss, want.detach(), atol=1e-6)
+    assert torch.allclose(grad, leaf.grad, atol=1e-6)
+    clipped_rows = ((adv > 0) & (s > 1 + eps)) | ((adv < 0) & (s < 1 - eps))
+    assert clipped_rows.any() and (~clipped_rows).any(), "the example must clip some sequences and not others"
+    assert torch.equal(grad[clipped_rows], torch.zeros_like(grad[clipped_rows]))
+
+
+def test_sequence_ratio_level_needs_seq_mean_and_mask_needs_a_correction():
+    with pytest.raises(ConfigError, match='loss.aggregation = "seq_mean"'):
+        cfg(ratio_level="sequence")
+    with pytest.raises(ConfigError, match='loss.is_mode = "mask"'):
+        cfg(correction="none", is_mode="mask")
+    with pytest.raises(ConfigError, match="loss.kl_coef"):
+        cfg(kl_coef=-1.0)
+
+
+def test_constant_aggregation_divides_by_sequences_times_norm_tokens():
+    """Dr.GRPO: sum over tokens / (N x L), so a long sequence's tokens weigh what a short one's do."""
+    lp, adv, mask = random_batch(n=4, t=6, seed=23)
+    loss, grad, _ = run(lp, lp, adv, mask, cfg(correction="none", aggregation="constant"), None)
+    # norm_tokens defaults to 0 at the loss (the trainer passes sampling.max_new_tokens): max(1, 0) = 1
+    loss8, grad8, _ = run(lp, lp, adv, mask, cfg(correction="none", aggregation="constant", norm_tokens=8), None)
+    leaf = lp.clone().requires_grad_(True)
+    loss8b, _ = policy_loss(leaf, lp, adv, mask, cfg(correction="none", aggregation="constant"), norm_tokens=8)
+    per_token = -adv[:, None].expand_as(lp)
+    assert torch.allclose(loss8b.detach(), per_token[mask].sum() / (4 * 8))
+    assert torch.allclose(loss, per_token[mask].sum() / 4)
+    loss8b.backward()
+    assert torch.allclose(leaf.grad, torch.where(mask, per_token / 32, 0.0))
+
+
+def test_k3_penalty_value_and_gradient():
+    """kl_coef * (exp(ref - lp) - (ref - lp) - 1) per token: 0 and no gradient where policy and
+    reference agree; its gradient 1 - exp(ref - lp) elsewhere, pulling lp towards ref."""
+    lp, adv, mask = random_batch(seed=24)
+    zero_adv = torch.zeros_like(adv)
+    c = cfg(correction="none", kl_coef=0.5)
+    ref = lp + torch.randn(lp.shape, generator=torch.Generator().manual_seed(24))
+    leaf = lp.clone().requires_grad_(True)
+    loss, stats = policy_loss(leaf, lp, zero_adv, mask, c, reference_logprobs=ref)
+    loss.backward()
+    d = ref - lp
+    k3 = d.exp() - d - 1
+    n = mask.sum()
+    assert torch.allclose(loss, 0.5 * k3[mask].sum() / n, atol=1e-6)
+    assert torch.allclose(leaf.grad, torch.where(mask, 0.5 * (1 - d.exp()) / n, 0.0), atol=1e-6)
+    assert stats["kl_ref"] == pytest.approx(float(k3[mask].mean()), rel=1e-5)
+    same, stats0 = policy_loss(lp.clone().requires_grad_(True), lp, adv, mask, c, reference_logprobs=lp)
+    plain, _ = policy_loss(lp.clone().requires_grad_(True), lp, adv, mask, cfg(correction="none"))
+    assert torch.allclose(same, plain) and stats0["kl_ref"] == 0.0
+    off, stats_off = policy_loss(lp.clone().requires_grad_(True), lp, adv, mask, cfg(correction="none"),
+                                 reference_logprobs=ref)  # kl_coef 0: the reference is not read
+    assert torch.allclose(off, plain) and stats_off["kl_ref"] == 0.0
