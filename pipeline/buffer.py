@@ -26,6 +26,12 @@ Invariants:
 - Bounded: at most `capacity` completed groups are held; `put` waits for room (backpressure).
   Capacity >= (K + 1) * B, the most that can ever be live, so a blocked producer can never hold
   a group the trainer is waiting for.
+- Deterministic mode (`deterministic=True`): what a group is sampled with and which step trains
+  it depend only on its place in the start order, never on timing. The i-th group started (i
+  from 0 since the start or resume) is sampled at version start_version + max(0, i // B - K),
+  the oldest the bound allows (the serving version if that is older, which only a failed or
+  dropped group can cause), and each step takes the B lowest-id live groups, waiting for any
+  of them still in flight. Without failures or drops that is exactly the B groups i // B = t.
 - Accounting at every moment: started = trained + training + buffered + in_flight + dropped
   + failed ("training": selected for a step that has not finished; `commit` or `abandon` it).
 """
@@ -86,7 +92,7 @@ class RolloutBuffer:
     """Admission control, the store of completed groups, and EDF batch selection."""
 
     def __init__(self, batch_groups: int, max_staleness: int, capacity: int = 0, max_groups: int | None = None,
-                 first_group_id: int = 0, start_version: int = 0) -> None:
+                 first_group_id: int = 0, start_version: int = 0, deterministic: bool = False) -> None:
         if batch_groups < 1 or max_staleness < 0:
             raise ValueError(f"batch_groups must be >= 1 and max_staleness >= 0, got {batch_groups}, {max_staleness}")
         self.B = batch_groups
@@ -100,6 +106,7 @@ class RolloutBuffer:
         # if exactly start_version * B groups were trained, so it does not burst ahead.
         self.start_version = start_version
         self.serving_version = start_version
+        self.deterministic = deterministic
         self.counts = BufferCounts()
         self._next_id = first_group_id
         self._in_flight: dict[int, int] = {}  # group id -> version
@@ -149,11 +156,16 @@ class RolloutBuffer:
         return self._start(group_ids[:self.admission_room()], time.monotonic())
 
     def _start(self, group_ids: list[int], now: float) -> list[Admission]:
-        version = self.serving_version
-        self._in_flight.update(dict.fromkeys(group_ids, version))
+        if self.deterministic:  # by place in the start order: the oldest version the bound allows
+            first = self.counts.started
+            versions = [min(self.serving_version, self.start_version + max(0, (first + i) // self.B - self.K))
+                        for i in range(len(group_ids))]
+        else:
+            versions = [self.serving_version] * len(group_ids)
+        self._in_flight.update(zip(group_ids, versions))
         self.counts.started += len(group_ids)
         self.counts.in_flight += len(group_ids)
-        return [Admission(g, version, now) for g in group_ids]
+        return [Admission(g, v, now) for g, v in zip(group_ids, versions)]
 
     async def admit(self, group_id: int | None = None) -> Admission | None:
         """Wait for room, then start one group. None once admission is finished for good."""
@@ -271,9 +283,11 @@ class RolloutBuffer:
                 self.counts.buffered -= 1
                 self.counts.dropped["stale"] += 1
                 dropped.append((g, "stale"))
+        exhausted = not self._admission_open or (self.max_groups is not None and self.counts.live >= self.max_groups)
+        if self.deterministic:
+            return self._select_by_id(exhausted, dropped)
         # Oldest version first; completion order within a version.
         candidates = sorted(self._completed.values(), key=lambda g: g.version)[: self.B]
-        exhausted = not self._admission_open or (self.max_groups is not None and self.counts.live >= self.max_groups)
         if len(candidates) < self.B and not (exhausted and not self._in_flight):
             return Selection([], dropped, 0.0) if dropped else None
         live_versions = list(self._in_flight.values()) + [g.version for g in self._completed.values()]
@@ -283,6 +297,16 @@ class RolloutBuffer:
                 return Selection([], dropped, 0.0) if dropped else None
         for g in candidates:
             del self._completed[g.group_id]
+        self.counts.buffered -= len(candidates)
+        self.counts.training += len(candidates)
+        return Selection(candidates, dropped, 0.0)
+
+    def _select_by_id(self, exhausted: bool, dropped: list[tuple[RolloutGroup, str]]) -> Selection | None:
+        """Deterministic mode: the B lowest-id live groups, once none of them is in flight."""
+        lowest = sorted([*self._in_flight, *self._completed])[: self.B]
+        if any(g in self._in_flight for g in lowest) or (len(lowest) < self.B and not exhausted):
+            return Selection([], dropped, 0.0) if dropped else None
+        candidates = [self._completed.pop(g) for g in lowest]
         self.counts.buffered -= len(candidates)
         self.counts.training += len(candidates)
         return Selection(candidates, dropped, 0.0)

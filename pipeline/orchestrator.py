@@ -33,7 +33,7 @@ import asyncio
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterable, Sequence
@@ -232,7 +232,7 @@ class Pipeline:
         self._built_engines = [] if self._user_engines else list(self.engines)
         self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
                                     max_groups=(pc.steps - self.start_step) * pc.batch_groups,
-                                    start_version=self.start_version)
+                                    start_version=self.start_version, deterministic=cfg.deterministic)
         self.outcomes = Outcomes(self.ledger, self.rollout_log, self.buffer)
         self.rotation = EngineRotation(self.engines, built=self._user_engines is None, cfg=cfg.engine,
                                        close_timeout_s=pc.shutdown_timeout_s, spawn=self.supervisor.spawn,
@@ -257,11 +257,13 @@ class Pipeline:
                                    episodes=episodes)
         batch = pc.batch_groups if all(isinstance(e, BatchEngine) for e in self.engines) and not episodes else 1
         rows = EpisodeRows() if episodes else builder  # an episode's prompt is its first observation
+        # a deterministic run seeds every group from (seed, group id), so no draw depends on arrival order
+        sampling = replace(cfg.sampling, per_request_seed=True) if cfg.deterministic else cfg.sampling
         self.admitter = Admitter(ledger=self.ledger, source=self.source, buffer=self.buffer, builder=rows,
-                                 outcomes=self.outcomes, generator=self.generator, sampling=cfg.sampling,
+                                 outcomes=self.outcomes, generator=self.generator, sampling=sampling,
                                  seed=cfg.seed, max_wave=batch, spawn=self.supervisor.spawn)
         eval_items = eval_items[:cfg.eval.max_prompts or MAX_EVAL_PROMPTS] if cfg.eval.every else []
-        self.evaluator = Evaluator(eval_items, cfg=cfg.eval, sampling=cfg.sampling, seed=cfg.seed, builder=rows,
+        self.evaluator = Evaluator(eval_items, cfg=cfg.eval, sampling=sampling, seed=cfg.seed, builder=rows,
                                    generator=self.generator, versions=self.versions, pins=pins, scoring=self.scoring,
                                    outcomes=self.outcomes, write_row=self.reporting.write, batch=batch,
                                    done=session.eval_done, rows=self.eval_rows) if eval_items else None

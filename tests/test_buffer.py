@@ -23,16 +23,18 @@ def make_group(group_id: int, version: int) -> RolloutGroup:
     return RolloutGroup(gen, np.array([1.0]), 0.0)
 
 
-def simulate(K: int, B: int, steps: int, rng: random.Random, fail_p: float, serve_lag_p: float) -> dict:
+def simulate(K: int, B: int, steps: int, rng: random.Random, fail_p: float, serve_lag_p: float,
+             deterministic: bool = False) -> dict:
     """Drive the buffer's synchronous core through a random interleaving of events.
 
     Events: admit a group, complete a random in-flight group (any order), fail one, let the
     trainer try a step, let the engines catch up to the newest version. Returns what happened;
     raises if the system can make no progress (a deadlock).
     """
-    buf = RolloutBuffer(batch_groups=B, max_staleness=K, max_groups=steps * B)
+    buf = RolloutBuffer(batch_groups=B, max_staleness=K, max_groups=steps * B, deterministic=deterministic)
     trainer_version = 0
     staleness: list[int] = []
+    batches: list[list[tuple[int, int]]] = []  # per step, (group id, version) of the groups it trained
     in_flight: dict[int, int] = {}
     for _ in range(100_000):
         if trainer_version == steps:
@@ -74,11 +76,12 @@ def simulate(K: int, B: int, steps: int, rng: random.Random, fail_p: float, serv
                 buf.commit(sel.groups)
                 assert len(sel.groups) == B or not buf._can_still_fill()
                 staleness += [trainer_version - g.version for g in sel.groups]
+                batches.append([(g.group_id, g.version) for g in sel.groups])
                 assert not sel.dropped, "the selection rule must make the consumption check redundant"
                 trainer_version += 1
         assert buf.counts.balanced()
         assert len(buf) <= buf.capacity
-    return {"steps": trainer_version, "staleness": staleness, "counts": buf.counts}
+    return {"steps": trainer_version, "staleness": staleness, "counts": buf.counts, "batches": batches}
 
 
 @settings(max_examples=300, deadline=None)
@@ -268,3 +271,23 @@ def test_try_admit_many_starts_the_prefix_admission_allows_at_one_version():
     asyncio.run(buf.close())
     with pytest.raises(BufferClosed):
         buf.try_admit_many([17])
+
+
+@settings(max_examples=200, deadline=None)
+@given(K=st.integers(0, 4), B=st.integers(1, 4), seed=st.integers(0, 10**6),
+       serve_lag_p=st.sampled_from([0.0, 0.5, 0.9]))
+def test_deterministic_batches_and_versions_do_not_depend_on_completion_order(K, B, seed, serve_lag_p):
+    """deterministic=True: step t trains exactly groups t*B .. t*B + B - 1, sampled at version
+    max(0, t - K), whatever the order in which groups complete or engines catch up."""
+    out = simulate(K, B, steps=8, rng=random.Random(seed), fail_p=0.0, serve_lag_p=serve_lag_p, deterministic=True)
+    assert out["batches"] == [[(t * B + i, max(0, t - K)) for i in range(B)] for t in range(8)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(K=st.integers(0, 4), B=st.integers(1, 4), seed=st.integers(0, 10**6),
+       fail_p=st.sampled_from([0.1, 0.3]), serve_lag_p=st.sampled_from([0.0, 0.5, 0.9]))
+def test_deterministic_mode_keeps_the_staleness_bound_when_groups_fail(K, B, seed, fail_p, serve_lag_p):
+    out = simulate(K, B, steps=8, rng=random.Random(seed), fail_p=fail_p, serve_lag_p=serve_lag_p, deterministic=True)
+    assert all(0 <= s <= K for s in out["staleness"])
+    for batch in out["batches"]:
+        assert [g for g, _ in batch] == sorted(g for g, _ in batch)

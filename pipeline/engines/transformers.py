@@ -27,6 +27,12 @@ Invariants (beyond the Engine protocol's):
   version intact. `generate` for any version but the one held (or, while a load is under way,
   the one being loaded, which the call waits for) raises GenerationError: a group is never
   sampled with other weights than its label. `unload_adapter` does nothing.
+- Deterministic (`deterministic=True`): the model is wrapped in peft's LoRA layers from the
+  start (an all-linear adapter of zeros, never used), so version 0 always runs as the wrapped
+  layers with adapters disabled. Unwrapped linear layers and disabled LoRA ones differ in the
+  last bits of a log-prob (~1e-6), so otherwise a version-0 group's numbers would depend on
+  whether an adapter had been loaded before it was decoded. The config also decodes each group
+  alone (`max_batch_groups` 1) and seeds it from its id.
 - `close()` fails every pending request with EngineDeadError and shuts the worker thread down;
   `start()` after it starts afresh on a new worker thread (the model loaded again, no adapter).
 """
@@ -68,6 +74,9 @@ from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
 __all__ = ["EngineStats", "TransformersEngine", "process_logits"]  # process_logits: where callers found it
 
 log = structlog.get_logger(__name__)
+
+# deterministic mode: the adapter of zeros that wraps every linear layer from the start (never active)
+_WRAPPER_ADAPTER = "deterministic-wrapper"
 
 
 @dataclass
@@ -113,6 +122,7 @@ class TransformersEngine:
         name: str = "transformers-0",
         trust_remote_code: bool = False,
         full_weights: bool = False,
+        deterministic: bool = False,
     ) -> None:
         if max_loaded_adapters < 1:
             raise ConfigError(f"max_loaded_adapters must be >= 1, got {max_loaded_adapters}")
@@ -135,6 +145,7 @@ class TransformersEngine:
         # close still give their counts back as they unwind
         self._calls = 0
         self.full_weights = full_weights
+        self.deterministic = deterministic
         self._idle = asyncio.Event()  # set whenever no generate call is queued or running (tracks _calls)
         self._fresh_state()
 
@@ -353,6 +364,12 @@ class TransformersEngine:
         self._eos_ids = self._eos_arg if self._eos_arg is not None else frozenset(self._default_eos_ids(model))
         self._decoder = GroupDecoder(model, sampling=self.sampling, eos_ids=self._eos_ids, device=self.device)
         self._model = model
+        if self.deterministic and not self.full_weights:
+            from peft import LoraConfig, get_peft_model
+
+            with models.building_modules():  # LoRA B starts at 0: the wrapped model computes the base
+                self._peft = get_peft_model(model, LoraConfig(r=1, target_modules="all-linear", task_type="CAUSAL_LM"),
+                                            adapter_name=_WRAPPER_ADAPTER)
         # a (re)start holds the base model; start() awaits this job before anything reads these
         self._worker_weights = self._weights = AdapterRef.base()
 
@@ -386,7 +403,7 @@ class TransformersEngine:
                 f"adapter version {adapter.version}: peft could not load {adapter.path!r}: {e}") from e
         self._peft_loaded.append(adapter.name)
         # A first load that failed after peft injected its layers leaves a stray adapter behind.
-        for stray in set(self._peft.peft_config) - set(self._peft_loaded):
+        for stray in set(self._peft.peft_config) - {*self._peft_loaded, _WRAPPER_ADAPTER}:
             self._peft.delete_adapter(stray)
         log.debug("adapter_loaded", engine=self.name, version=adapter.version, adapter=adapter.name,
                   seconds=round(time.monotonic() - t0, 4))
@@ -412,7 +429,7 @@ class TransformersEngine:
             yield
             return
         if adapter.version == 0:
-            if self._peft is not None and self._peft_loaded:
+            if self._peft is not None and (self._peft_loaded or self.deterministic):
                 with self._peft.disable_adapter():
                     yield
             else:
