@@ -1,11 +1,19 @@
-"""The simulated engine: no model, a set speed, synthetic tokens and log-probabilities.
+"""The simulated engine: no model, a set speed, tokens drawn from a fixed synthetic policy.
 
 It keeps the Engine contract (n completions, equal-length token ids and log-probs, the version
 asked for, abort on cancel) so the orchestrator, tests and benchmarks can run without a model.
 Speed: each group takes `latency_s`; at most `concurrency` groups run at once (0 = unlimited),
 so `concurrency / latency_s` groups per second is the generator's standalone rate.
 An episode's later turn (`request.turn` > 0) takes `turn_latency_s` instead.
-Tokens are deterministic in (seed, group id, version, request seed, turn): a test can tell versions apart.
+Sampling: one categorical distribution over the ids [1, vocab_size), the same for every prompt,
+version and position (`policy_logprobs`: the softmax of Gaussian logits seeded by the engine
+seed; id 0, the default end-of-sequence id, is never drawn, so completions end by length). A
+pool of tokens is drawn from it i.i.d. once, each with its log-probability under it; a group's
+completions are a slice of that pool, so every reported log-prob is log p(token) under the
+distribution the token was drawn from, as a real engine's is. Which slice is deterministic in
+(seed, group id, version, request seed, turn): a test tells versions apart by the tokens that
+come (one token's log-prob is the same in every version). Two groups' slices may overlap:
+samples are independent within a group, not always across groups.
 Fault injection: a share `fail_rate` of calls raises GenerationError and a share `hang_rate`
 never returns (until cancelled), drawn from the engine's own seeded generator. With `die_after`
 the engine dies (every call raises EngineDeadError) once it has taken that many groups since it
@@ -81,13 +89,24 @@ class SimulatedEngine:
         self._groups_since_start = 0
 
     _POOL = 1 << 18  # synthetic values drawn once; groups take slices (a fresh RNG per group costs ~50 us)
+    # std of the policy's logits: a peaked-but-random policy (at 128 ids, seeds 0-4: entropy 2.6-3.6
+    # nats, the most likely id 0.12-0.42), so rewards of token ids still vary within a group
+    _LOGIT_STD = 2.0
+
+    def policy_logprobs(self) -> np.ndarray:
+        """[vocab_size] float64: log p of each id under the policy pool tokens are drawn from
+        (-inf at id 0, which is never drawn)."""
+        logits = np.random.default_rng([self.seed, 0x9011C7]).normal(0.0, self._LOGIT_STD, self.cfg.vocab_size)
+        logits[0] = -np.inf
+        return logits - np.logaddexp.reduce(logits)
 
     def _pool(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [POOL] int64, their log-probs [POOL] float32): i.i.d. draws from the policy."""
         if self._tokens is None or self._logprobs is None:
+            logp = self.policy_logprobs()
             rng = np.random.default_rng(self.seed)
-            self._tokens = rng.integers(1, self.cfg.vocab_size, size=self._POOL, dtype=np.int64)
-            # log-probs of a peaked-but-random policy: negative and finite
-            self._logprobs = (-rng.exponential(1.0, size=self._POOL)).astype(np.float32)
+            self._tokens = rng.choice(self.cfg.vocab_size, size=self._POOL, p=np.exp(logp)).astype(np.int64)
+            self._logprobs = logp.astype(np.float32)[self._tokens]
         return self._tokens, self._logprobs
 
     def _shape(self, request: GroupRequest) -> tuple[int, int, int]:
@@ -109,7 +128,7 @@ class SimulatedEngine:
         n, T, size = self._shape(request)
         off = self._key(request, version) % (self._POOL - size + 1)
         tokens = pool_tokens[off:off + size].reshape(n, T)
-        logprobs = (pool_logprobs[off:off + size] - np.float32(0.01 * version)).reshape(n, T)
+        logprobs = pool_logprobs[off:off + size].reshape(n, T)
         return tuple(Completion(tokens[i], logprobs[i], "length") for i in range(n))
 
     def _synthesize_many(self, requests: Sequence[GroupRequest], version: int) -> list[tuple[Completion, ...]]:
@@ -124,7 +143,7 @@ class SimulatedEngine:
         offsets = np.array([self._key(r, version) % span for r in requests], dtype=np.int64)
         at = offsets[:, None] + np.arange(size)  # [G, n * T] pool positions
         tokens = pool_tokens[at].reshape(-1, T)  # [G * n, T]
-        logprobs = (pool_logprobs[at] - np.float32(0.01 * version)).reshape(-1, T)
+        logprobs = pool_logprobs[at].reshape(-1, T)
         rows = list(map(Completion, tokens, logprobs, ["length"] * len(tokens)))
         return [tuple(rows[i:i + n]) for i in range(0, len(rows), n)]
 
