@@ -219,7 +219,7 @@ def policy_loss(logprobs: Tensor, behaviour_logprobs: Tensor, advantages: Tensor
         values = torch.stack([
             ratio.mean(), ratio.max(), wv.mean(), above[valid].double().mean(),
             clipped[valid].double().mean(), (ratio - 1 - dc).mean(), d.abs().mean(),
-            k3[valid].double().mean() if k3 is not None else torch.zeros((), dtype=torch.float64),
+            k3[valid].double().mean() if k3 is not None else torch.zeros((), dtype=torch.float64, device=lp.device),
             w_sum, w_sq,
         ]).tolist()
     names = ["ratio_mean", "ratio_max", "is_weight_mean", "truncated_frac", "clipped_frac",

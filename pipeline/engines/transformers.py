@@ -412,8 +412,9 @@ class TransformersEngine:
         if name not in self._peft_loaded or self._peft is None:
             return
         self._peft_loaded.remove(name)
-        if name in self._peft.active_adapters and self._peft_loaded:
-            self._peft.set_adapter(self._peft_loaded[-1])  # peft warns when the active adapter is deleted
+        rest = self._peft_loaded or [a for a in (_WRAPPER_ADAPTER,) if a in self._peft.peft_config]
+        if name in self._peft.active_adapters and rest:
+            self._peft.set_adapter(rest[-1])  # peft warns when the active adapter is deleted
         self._peft.delete_adapter(name)
         log.debug("adapter_unloaded", engine=self.name, adapter=name)
 
