@@ -467,3 +467,22 @@ def test_episode_latency_shows_k1_hiding_environment_latency(tmp_path: Path) -> 
     assert (k0["K"], k1["K"]) == (0, 1) and k0["accounting_ok"] and k1["accounting_ok"]
     assert k1["staleness_max"] <= 1 and k1["env_steps"] > 0
     assert k1["speedup_vs_K0"] > 1.3 and k1["of_bound"] <= 1.05, data["runs"]
+
+
+def test_staleness_learning_pairs_seeds_across_arms(tmp_path: Path) -> None:
+    """benchmarks/staleness_learning.py end to end on a tiny grid: deterministic runs, K-stale
+    batches exactly K old, and paired differences that are the mean of per-seed differences."""
+    bench = load("staleness_learning")
+    assert bench.mean_ci([1.0, 2.0, 3.0]) == {"mean": 2.0, "ci95": pytest.approx(4.303 / 3 ** 0.5), "n": 3}
+    proc = subprocess.run([sys.executable, str(BENCH / "staleness_learning.py"), "--ks", "0", "2", "--arms", "none",
+                           "tis", "--seeds", "2", "--steps", "3", "--workers", "2", "--eval-prompts", "4",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(next(tmp_path.glob("staleness_learning_transformers_tiny_*.json")).read_text())
+    runs = {(r["k"], r["arm"], r["seed"]): r for r in data["runs"]}
+    assert len(runs) == 8
+    assert all(r["staleness_max"] == r["k"] for r in runs.values())  # deterministic: exactly K old at step 3
+    for arm in ("none", "tis"):
+        diffs = [runs[(2, arm, s)]["final_eval"] - runs[(0, arm, s)]["final_eval"] for s in (0, 1)]
+        assert data["table"][f"K2-{arm}"]["minus_K0"]["mean"] == pytest.approx(sum(diffs) / 2)
+    assert "| 2 |" in proc.stdout and (tmp_path / next(tmp_path.glob("*.json")).name).exists()
