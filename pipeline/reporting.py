@@ -87,8 +87,9 @@ class Reporting:
         if self.trackers is not None:
             self.trackers.log(row, step=row["step"])
 
-    def step_row(self, batch: Batch, train: Mapping[str, float], check: Mapping[str, float], wait_s: float,
-                 publish_s: float, ref: AdapterRef) -> dict[str, Any]:
+    def step_row(self, batch: Batch, train: Mapping[str, float], check: Mapping[str, float],
+                 times: Mapping[str, float], ref: AdapterRef) -> dict[str, Any]:
+        """The metrics.jsonl row of a step; `times` are its time/* parts (training.Training measures them)."""
         wall = time.monotonic() - self.t_start
         stal = batch.staleness
         rewards = np.concatenate([g.rewards for g in batch.groups])
@@ -107,7 +108,7 @@ class Reporting:
             "rollout/retries": self._generator.retries,
             "engine/in_rotation": len(self.rotation.healthy),
             "rollout/versions_verified": len(batch.groups),
-            "time/wait_batch_s": wait_s, "time/publish_s": publish_s,
+            **times,
             "adapter/publish_to_loaded_s": self.versions.publish_to_loaded.get(ref.version - 1, float("nan")),
             "busy/generator": self.generator_busy() / max(wall, 1e-9),
             "busy/trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -73,6 +74,7 @@ class Training:
         self.start_step = start_step
         self.start_version = start_version
         self.checkpoint_step = checkpoint_step
+        self._checkpoint_s = 0.0  # seconds of checkpoints since the last step's row
         self.show_progress = show_progress
         self.training: list[RolloutGroup] = []  # the batch taken but not yet recorded (shutdown drops it)
 
@@ -107,19 +109,30 @@ class Training:
             keep = any(self._checks_at(s) for s in range(step + 1, step + pc.max_staleness + 1))
             batch = Batch(step, version, tuple(sel.groups), keep_version=keep)
             check: dict[str, float] = {}
+            t_check = time.monotonic()
             if self._checks_at(step):
                 check = await self._logprob_check(batch)
+            t_call = time.monotonic()
             with self.trainer_busy:
-                stats, ref, publish_s = await self._trainer_call(f"step {step} and its publish",
-                                                                 self._step_and_publish, batch)
-            self.timeline.append((stats.t_start, time.monotonic()))
+                stats, ref, times = await self._trainer_call(f"step {step} and its publish",
+                                                             self._step_and_publish, batch)
+            t_done = time.monotonic()
+            self.timeline.append((stats.t_start, t_done))
+            # where the step's wall time went (docs/benchmarks.md, step_cost.py): the trainer's own
+            # compute, the call around it (IPC), the publish, the hop to and from the worker thread
+            times.update({"time/wait_batch_s": wait_s, "time/check_s": t_call - t_check,
+                          "time/train_s": stats.t_end - stats.t_start,
+                          "time/thread_hop_s": t_done - t_call - times["time/trainer_call_s"] - times["time/publish_s"],
+                          "time/checkpoint_s": self._checkpoint_s})
+            self._checkpoint_s = 0.0
             self.versions.published(ref)
             self.buffer.commit(sel.groups)
             self.training = []
             self.outcomes.record_many([(g.group_id, "trained", "", step, g.generation, g.rewards) for g in batch.groups])
             crash_point("step.after_record")
             version = stats.version
-            row = self.reporting.step_row(batch, stats.metrics, check, wait_s, publish_s, ref)
+            times["time/record_s"] = time.monotonic() - t_done  # commit, outcomes to the log, the row
+            row = self.reporting.step_row(batch, stats.metrics, check, times, ref)
             self.reporting.write(row)
             rows.append(row)
             self.on_step(step, version, row)
@@ -202,14 +215,24 @@ class Training:
         except TimeoutError:
             raise TrainerError(f"trainer {what} took longer than trainer.step_timeout_s = {timeout} s") from None
 
-    def _step_and_publish(self, batch: Batch) -> tuple[TrainStats, AdapterRef, float]:
+    def _step_and_publish(self, batch: Batch) -> tuple[TrainStats, AdapterRef, dict[str, float]]:
         """A training step, then the publish of the version it made, in one worker-thread call
-        (one thread hop a step, not two); returns the step's stats, the ref and the publish's seconds."""
+        (one thread hop a step, not two); returns the step's stats, the ref and the seconds of the
+        trainer call, of the publish and, within it, of the trainer writing the version's files."""
+        t0 = time.monotonic()
         stats = self.trainer.step(batch)
         crash_point("step.after_train")
         t_pub = time.monotonic()
-        ref = self.store.publish(stats.version, self.trainer.save_adapter)
-        return stats, ref, time.monotonic() - t_pub
+        save_s = [0.0]
+
+        def save(directory: Path) -> None:
+            t = time.monotonic()
+            self.trainer.save_adapter(directory)
+            save_s[0] = time.monotonic() - t
+
+        ref = self.store.publish(stats.version, save)
+        return stats, ref, {"time/trainer_call_s": t_pub - t0, "time/publish_s": time.monotonic() - t_pub,
+                            "time/save_s": save_s[0]}
 
     async def checkpoint(self, step: int) -> None:
         """Write the checkpoint of `step`: trainer state and the ledger, with the log rows it covers."""
@@ -222,7 +245,9 @@ class Training:
                  "metrics_rows": len(self.reporting.rows),
                  "wall_s": self.reporting.wall0 + time.monotonic() - self.reporting.t_start}
         await asyncio.to_thread(self.rollout_log.flush)  # rows [0, log_rows) are durable before the checkpoint
+        t = time.monotonic()
         await self._trainer_call("checkpoint", self.checkpoints.write, step, state, self.trainer.save_state)
+        self._checkpoint_s += time.monotonic() - t  # reported in the next step's row
         self.checkpoint_step = step
 
     async def _logprob_check(self, batch: Batch) -> dict[str, float]:

@@ -376,3 +376,40 @@ def test_process_trainer_killed_child_is_not_running(model_dir: Path):
     child.close()
     child.close()
     assert child.pid is None
+
+
+def test_a_lora_version_is_written_as_peft_writes_it_without_the_model_card(model_dir, tmp_path):
+    """save_adapter writes peft's two files byte for byte (config) and tensor for tensor
+    (weights), after every step and after a restored state, and peft loads them back exactly."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    trainer = _trainer(model_dir, lora_rank=16)
+    for step in (1, 2):
+        trainer.step(_batch(step))
+        ours, peft_dir = tmp_path / f"ours{step}", tmp_path / f"peft{step}"
+        ours.mkdir()
+        trainer.save_adapter(ours)
+        trainer.model.save_pretrained(str(peft_dir), safe_serialization=True)
+        assert sorted(p.name for p in ours.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        assert (ours / "adapter_config.json").read_bytes() == (peft_dir / "adapter_config.json").read_bytes()
+        a, b = load_file(ours / "adapter_model.safetensors"), load_file(peft_dir / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        with safe_open(ours / "adapter_model.safetensors", "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+    state = tmp_path / "state"
+    state.mkdir()
+    trainer.save_state(state)
+    other = _trainer(model_dir, lora_rank=16, seed=5)
+    (tmp_path / "before").mkdir()
+    other.save_adapter(tmp_path / "before")  # lays its names out before the state is restored
+    other.load_state(state)
+    (tmp_path / "restored").mkdir()
+    other.save_adapter(tmp_path / "restored")
+    restored = load_file(tmp_path / "restored" / "adapter_model.safetensors")
+    assert all(torch.equal(restored[k], a[k]) for k in a)  # the restored weights, not the ones first laid out
+    ids = torch.tensor([list(b"Hello there")])
+    loaded = PeftModel.from_pretrained(models.load_causal_lm(model_dir, "cpu", "float32"), str(tmp_path / "ours2"))
+    trainer.model.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
