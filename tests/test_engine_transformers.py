@@ -358,3 +358,41 @@ def test_the_torch_thread_on_the_cpu_is_idle_scheduled_and_the_loop_is_not(model
     assert torch_policy == (os.SCHED_IDLE if idle else os.SCHED_OTHER)
     assert loop_policy == os.SCHED_OTHER
 
+
+
+def test_a_version_fills_the_slot_of_an_unloaded_one_and_samples_from_its_own_weights(
+        model_dir: Path, adapters: dict[int, AdapterRef], tmp_path: Path) -> None:
+    """With one adapter resident, every load after the first overwrites the freed peft adapter in
+    place (no new one injected); each version still samples with exactly its own weights, and a
+    file whose tensors do not fit is refused with the slot left free and usable."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters[3].path, bad)
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    first = sorted(tensors)[0]
+    tensors[first] = torch.zeros(tensors[first].shape[0] + 1, tensors[first].shape[1])  # same config, wrong shape
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    bad_ref = AdapterRef(version=9, name="v000009-bad", path=str(bad))
+
+    async def body(engine: TransformersEngine) -> tuple[dict[int, Generation], list[int], str]:
+        gens, slots = {}, []
+        for v in (1, 2, 3, 1):
+            await engine.load_adapter(adapters[v])
+            slots.append(len(engine._peft.peft_config))
+            gens[v] = await engine.generate(_request(v, f"slot {v}", n=4), adapters[v])
+        await engine.unload_adapter(adapters[1])
+        with pytest.raises(AdapterError) as e:
+            await engine.load_adapter(bad_ref)
+        gens[2] = await engine.generate(_request(20, "after the refusal", n=4), adapters[2])  # the free slot serves again
+        slots.append(len(engine._peft.peft_config))
+        return gens, slots, str(e.value)
+
+    gens, slots, error = _run(model_dir, body, max_loaded_adapters=1)
+    assert slots == [1, 1, 1, 1, 1]  # one peft adapter throughout, refilled in place
+    assert "does not hold the tensors" in error and "bad" in error
+    for v, gen in gens.items():
+        assert gen.version == v
+        assert _max_abs_diff(_adapted(model_dir, adapters[v]), gen) < 1e-4
+    assert _max_abs_diff(_adapted(model_dir, adapters[1]), gens[2]) > 1e-2  # not the previous occupant's weights
