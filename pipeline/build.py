@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -232,13 +233,18 @@ def episodes(cfg: RunConfig, factory: Any, builder: Any, tokenizer: Any) -> Any:
                     max_new_tokens=cfg.sampling.max_new_tokens, request_timeout_s=cfg.engine.request_timeout_s)
 
 
-async def start(engines: Sequence[Engine], trainer: Any, timeout: float) -> None:
+async def start(engines: Sequence[Engine], trainer: Any, timeout: float) -> dict[str, float]:
     """Start the engines and the trainer concurrently (both are slow), under engine.start_timeout_s,
     each to its end: shutdown closing one still starting raced its start, and whichever failed first
-    (engines, then the trainer) is the error."""
+    (engines, then the trainer) is the error. Returns how long each took (the slowest engine's)."""
+    async def timed(aw: Any) -> float:
+        t = time.monotonic()
+        await aw
+        return time.monotonic() - t
+
     try:
         async with asyncio.timeout(timeout):
-            started = await asyncio.gather(*(e.start() for e in engines), asyncio.to_thread(trainer.setup),
+            started = await asyncio.gather(*(timed(e.start()) for e in engines), timed(asyncio.to_thread(trainer.setup)),
                                            return_exceptions=True)
     except TimeoutError:
         raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
@@ -246,6 +252,7 @@ async def start(engines: Sequence[Engine], trainer: Any, timeout: float) -> None
     for result in started:
         if isinstance(result, BaseException):
             raise result
+    return {"engines_start_s": max(started[:-1], default=0.0), "trainer_start_s": started[-1]}
 
 
 async def close(engines: Sequence[Engine], trainer: Any, timeout: float) -> None:

@@ -109,6 +109,9 @@ class Pipeline:
         self.timeline: dict[str, list[tuple[float, float]]] = {"generation": [], "training": []}
         self.metrics_rows: list[dict[str, Any]] = []  # one per training step
         self.eval_rows: list[dict[str, Any]] = []  # one per evaluation round (eval/* keys)
+        # set-up's parts in seconds: reading the data, the model (built the first time into
+        # model.cache_dir, then reused), the engines' and the trainer's starts (concurrent)
+        self.setup: dict[str, float] = {}
         self.stopped_by: str | None = None  # what asked the run to stop early (a signal name, "request")
 
     # ================================================================== public entry points
@@ -211,9 +214,12 @@ class Pipeline:
         # what a checkpoint must have been trained on to be resumed: hashed once, off the loop
         fingerprint = {"data": await asyncio.to_thread(self.source.fingerprint),
                        "reward": reward_names(self.scorer, env_reward)}
+        t_model = time.monotonic()
+        self.setup["data_s"] = t_model - t0
         self.model_path, self.tokenizer = await asyncio.to_thread(
             build.model_and_tokenizer, cfg, self._tokenizer, engines=self._user_engines is None,
             trainer=self._user_trainer is None)
+        self.setup["model_s"] = time.monotonic() - t_model  # building the built-in model the first time, or loading
 
         session = await asyncio.to_thread(open_session, cfg, self.run_dir, resume=self._resume,
                                           force=self._force_resume, fingerprint=fingerprint, total=self.source.total,
@@ -243,7 +249,7 @@ class Pipeline:
                                  max_staleness=pc.max_staleness, load_timeout_s=cfg.engine.load_timeout_s,
                                  full_weights=cfg.trainer.update == "full", start_version=self.start_version)
         self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path)
-        await build.start(self.engines, self.trainer, cfg.engine.start_timeout_s)
+        self.setup.update(await build.start(self.engines, self.trainer, cfg.engine.start_timeout_s))
         builder = build.prompt_builder(cfg, self.tokenizer, self.model_path, self.engines)  # needs started engines
         if session.checkpoint is not None:
             await continue_trainer(self.trainer, session.checkpoint, self.store, self.versions, self.start_version)
@@ -282,7 +288,8 @@ class Pipeline:
         self.setup_s = time.monotonic() - t0
         self._ready = True
         log.info("pipeline_ready", run_dir=str(self.run_dir), engines=[e.name for e in self.engines],
-                 model=self.model_path, setup_s=round(self.setup_s, 2), batch_groups=pc.batch_groups,
+                 model=self.model_path, setup_s=round(self.setup_s, 2),
+                 **{k: round(v, 2) for k, v in self.setup.items()}, batch_groups=pc.batch_groups,
                  max_staleness=pc.max_staleness, group_size=cfg.sampling.n)
 
     async def _main(self) -> None:
@@ -326,7 +333,8 @@ class Pipeline:
                 log.warning("prompts_refused", total=self.admitter.refusals.by_reason.total(),
                             by_reason=dict(self.admitter.refusals.by_reason))
             self.summary = self.reporting.summary(
-                wall=wall, error=error, setup_s=self.setup_s, ledger=self.ledger, rollout_log=self.rollout_log,
+                wall=wall, error=error, setup_s=self.setup_s, setup=self.setup, ledger=self.ledger,
+                rollout_log=self.rollout_log,
                 eval_rows=self.eval_rows, start_step=self.start_step, resumed=self._resume,
                 checkpoint_step=self.training.checkpoint_step, stopped_by=self.stopped_by)
             await self.reporting.finish(self.summary, self._t_start)

@@ -142,7 +142,8 @@ class Reporting:
         started = c.started + sum(n for k, n in self.base.items() if k != "refused")
         return started, trained, dropped, failed
 
-    def summary(self, *, wall: float, error: BaseException | None, setup_s: float, ledger: Ledger,
+    def summary(self, *, wall: float, error: BaseException | None, setup_s: float, setup: dict[str, float],
+                ledger: Ledger,
                 rollout_log: RolloutLog, eval_rows: list[dict[str, Any]], start_step: int, resumed: bool,
                 checkpoint_step: int | None, stopped_by: str | None) -> dict[str, Any]:
         c = self.buffer.counts
@@ -159,6 +160,7 @@ class Reporting:
             "steps": len(rows),
             "wall_s": wall,
             "setup_s": setup_s,
+            "setup": dict(setup),  # its parts: data_s, model_s, engines_start_s, trainer_start_s
             "groups_started": started,
             "groups_trained": trained,
             "groups_dropped": dict(dropped),

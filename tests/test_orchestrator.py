@@ -440,3 +440,13 @@ def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(tmp_path):
     p, summary = run(sim_config(tmp_path, steps=6), prompts=PROMPTS[:-1], resume=True)
     assert summary["steps"] == 6
     assert [e["level"] for e in _events(p) if e["event"] == "resume_unchecked"] == ["warning"]
+
+
+def test_the_summary_says_how_long_set_up_took_and_on_what(tmp_path):
+    p, summary = run(sim_config(tmp_path, steps=2, step_s=0.0))
+    parts = summary["setup"]
+    assert set(parts) == {"data_s", "model_s", "engines_start_s", "trainer_start_s"}
+    assert all(v >= 0 for v in parts.values())
+    # data and model one after the other, then engines and trainer together, then the rest
+    assert summary["setup_s"] >= parts["data_s"] + parts["model_s"] + max(parts["engines_start_s"],
+                                                                          parts["trainer_start_s"])
