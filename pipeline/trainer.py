@@ -88,9 +88,11 @@ class _Rows:
     advantages: list[float] = field(default_factory=list)
     owner: list[tuple[int, int]] = field(default_factory=list)  # (group index, completion index)
 
-    def sampled_tokens(self) -> int:
-        """How many tokens the policy sampled, over every row (the tokens a loss weighs)."""
-        return sum(len(c) if m is None else int(np.count_nonzero(m)) for c, m in zip(self.comps, self.sampled))
+    def sampled_tokens(self, rows: Sequence[int] | None = None) -> int:
+        """How many tokens the policy sampled over `rows` (default: every row): the tokens a loss weighs."""
+        idx = range(len(self.comps)) if rows is None else rows
+        return sum(len(self.comps[r]) if self.sampled[r] is None else int(np.count_nonzero(self.sampled[r]))
+                   for r in idx)
 
 
 class LoRATrainer:
@@ -358,8 +360,8 @@ class LoRATrainer:
         losses are weighed so their sum is the loss of the whole part; returns that loss, the
         gradients left in place. Statistics go into `acc` (each optimizer step's weighed by `share`
         of the step), the importance-weight sums into `weights` when given."""
-        part_tokens = sum(len(rows.comps[r]) if rows.sampled[r] is None else int(np.count_nonzero(rows.sampled[r]))
-                          for r in part)  # what token_mean averages over: sampled tokens only
+        part_tokens = rows.sampled_tokens(part)  # what token_mean averages over: sampled tokens only
+        all_tokens = rows.sampled_tokens() if entropy else 0  # the entropy's mean is over the whole batch
         loss_total = 0.0
         for idx in self._micro_batches(part):
             lp, cmask, ent = self._forward(rows, idx, entropy=entropy)
@@ -379,7 +381,7 @@ class LoRATrainer:
                 weights[1] += stats["is_weight_sq_sum"]
                 weights[2] += stats["tokens"]
             if entropy and tokens:
-                acc["entropy"] = acc.get("entropy", 0.0) + float(ent[cmask].double().sum()) / max(1, rows.sampled_tokens())
+                acc["entropy"] = acc.get("entropy", 0.0) + float(ent[cmask].double().sum()) / max(1, all_tokens)
             for k, v in stats.items():
                 if k in ("ess", "is_weight_sum", "is_weight_sq_sum"):
                     continue

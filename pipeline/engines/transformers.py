@@ -184,7 +184,7 @@ class TransformersEngine:
         self._slot_of: dict[str, str] = {}  # loaded adapter's name -> the peft adapter holding its weights
         self._slot_configs: dict[str, bytes] = {}  # every peft adapter -> the adapter_config.json it was made from
         self._slot_params: dict[str, dict[str, torch.nn.Parameter]] = {}  # slot -> its tensors by saved name
-        self._free_slots: dict[str, bytes] = {}  # peft adapters of unloaded versions -> their adapter_config.json
+        self._free_slots: list[str] = []  # peft adapters of unloaded versions, oldest first, to be filled again
         self._vocab_size = 0
         self._max_positions = 0
         self._worker_weights: AdapterRef | None = AdapterRef.base()  # what the parameters hold now
@@ -281,7 +281,7 @@ class TransformersEngine:
         self._model = None
         self._decoder = None
         self._peft = None
-        self._peft_loaded, self._slot_of, self._free_slots, self._slot_configs, self._slot_params = [], {}, {}, {}, {}
+        self._peft_loaded, self._slot_of, self._free_slots, self._slot_configs, self._slot_params = [], {}, [], {}, {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         log.info("engine_closed", engine=self.name, **vars(self.stats))
@@ -402,7 +402,7 @@ class TransformersEngine:
         t0 = time.monotonic()
         assert adapter.path is not None  # check_adapter_dir refused it on the loop
         config = (Path(adapter.path) / "adapter_config.json").read_bytes()
-        slot = next((name for name, c in self._free_slots.items() if c == config), None)
+        slot = next((name for name in self._free_slots if self._slot_configs[name] == config), None)
         if slot is not None:
             self._fill_slot(slot, adapter)
         else:
@@ -451,7 +451,7 @@ class TransformersEngine:
         with torch.no_grad():
             for k, t in tensors.items():
                 params[k].copy_(t)
-        del self._free_slots[slot]
+        self._free_slots.remove(slot)
 
     def _delete_adapter(self, name: str) -> None:
         """Unload a version: its peft adapter stays, as a free slot the next version's tensors fill."""
@@ -459,7 +459,7 @@ class TransformersEngine:
             return
         self._peft_loaded.remove(name)
         slot = self._slot_of.pop(name)
-        self._free_slots[slot] = self._slot_configs[slot]
+        self._free_slots.append(slot)
         log.debug("adapter_unloaded", engine=self.name, adapter=name, slot=slot)
 
     @contextlib.contextmanager
