@@ -483,6 +483,9 @@ class StoreConfig:
 
     root: str = ""  # "" = <run dir>/adapters
     keep_last: int = 2  # versions kept beyond those engines may still use; 0 = none
+    # resume never needs it (it publishes the checkpoint's version again): only a store other
+    # programs rely on across a power loss does
+    sync: bool = False  # fsync each version before engines load it (a torn one never loads either way)
 
     def __post_init__(self) -> None:
         _check_path("store.root", self.root)

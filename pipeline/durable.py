@@ -37,14 +37,15 @@ def fsync_dir(path: Path) -> None:
 # is a round trip (on one core, each also hands the GIL to the event loop and back).
 
 
-def write_synced(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write `data` to `path` and force it to disk (the directory entry needs `fsync_dir`)."""
+def write_synced(path: str | os.PathLike[str], data: bytes, *, sync: bool = True) -> None:
+    """Write `data` to `path` and, if `sync`, force it to disk (the directory entry needs `fsync_dir`)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)  # umask applies, as open()'s
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -85,7 +85,7 @@ def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fi
         write_config(cfg, run_dir)
     eval_done: set[int] = set(ck.state.get("eval_done", ())) if ck else set()
     store = AdapterStore(cfg.store.root or run_dir / "adapters", base_model=str(model_path or ""),
-                         keep_last=cfg.store.keep_last, kind=cfg.trainer.update)
+                         keep_last=cfg.store.keep_last, kind=cfg.trainer.update, sync=cfg.store.sync)
     rollout_log = RolloutLog(run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)}, flush_every=8 * FLUSH_GROUPS)
     session = Session(checkpoint=ck, start_step=start_step, start_version=int(ck.state["version"]) if ck else 0,
                       wall0=float(ck.state.get("wall_s", 0.0)) if ck else 0.0,

@@ -380,7 +380,7 @@ def fail_tmp_mkdir(mp: pytest.MonkeyPatch, root: Path) -> None:
 
 def fail_manifest_write(mp: pytest.MonkeyPatch, root: Path) -> None:
     """The disk fills up part way through the manifest: a partial manifest.json is on disk."""
-    def write_synced(path: Path, data: bytes) -> None:
+    def write_synced(path: Path, data: bytes, sync: bool = True) -> None:
         assert Path(path).name == "manifest.json"
         Path(path).write_bytes(data[:1])
         raise os_error(errno.ENOSPC, str(path))
@@ -811,3 +811,36 @@ def test_a_manifest_without_a_kind_is_a_lora_adapter(tmp_path: Path) -> None:
     del manifest["kind"]
     path.write_text(json.dumps(manifest))
     assert store.verify_dir(ref.path) == ref
+
+
+def test_a_store_without_sync_publishes_without_one_fsync_and_still_refuses_a_torn_version(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """store.sync = false (the pipeline's default): no fsync on the publish path; the manifest's
+    hashes, not the disk's durability, keep a torn version from loading."""
+    calls: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real(fd))[1])
+    synced = AdapterStore(tmp_path / "synced")
+    synced.publish(1, writer())
+    assert len(calls) >= 4  # each file, the manifest, the directory, the root
+    calls.clear()
+    store = AdapterStore(tmp_path / "unsynced", sync=False)
+    ref = store.publish(1, writer(1.0))
+    assert calls == []
+    assert store.verify_dir(ref.path) == ref
+    # what a power loss can leave of an unsynced file: its length, not its bytes
+    path = Path(ref.path) / "adapter_model.safetensors"
+    path.write_bytes(b"\0" * path.stat().st_size)
+    with pytest.raises(AdapterCorruptError, match="sha256"):
+        store.verify_dir(ref.path)
+
+
+def test_the_pipeline_opens_its_store_unsynced_unless_store_sync(tmp_path: Path) -> None:
+    from pipeline.config_io import load_config
+    from pipeline.session import open_session
+
+    for value in (False, True):
+        cfg = load_config(None, {"out": str(tmp_path / f"run-{value}"), "store.sync": value})
+        session = open_session(cfg, tmp_path / f"run-{value}", total=4, fingerprint={}, model_path=None,
+                               resume=False, force=False)
+        assert session.store.sync is value
