@@ -26,9 +26,10 @@ Invariants:
   not the signal, decides when the trainer stops (it finishes the step and checkpoints first).
   It exits at once when its parent dies, whatever it was doing.
 - Adapters and trainer state still go through the filesystem: `save_adapter(dir)`,
-  `save_state(dir)` and `load_state(dir)` make the child write or read them.
+  `save_state(dir)` and `load_state(dir)` make the child write or read them. `step_and_save`
+  is a step and the save of the version it made in one round trip (the pipeline's publish).
 - `version`, `skipped_steps` and `consecutive_skips` mirror the child's after every call that
-  changes them (setup, step, load_state).
+  changes them (setup, step, step_and_save, load_state).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import multiprocessing as mp
 import os
 import sys
 import threading
+import time
 import traceback
 import types
 from multiprocessing.connection import Connection, wait
@@ -55,7 +57,7 @@ from pipeline.trainer_log import forward_events, log_to_parent
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
 
-_MIRRORED = ("setup", "step", "load_state")  # calls that answer with the trainer's counters too
+_MIRRORED = ("setup", "step", "step_and_save", "load_state")  # calls that answer with the trainer's counters too
 _FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
 
 
@@ -115,12 +117,24 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
             conn.send(("ok", None))
             return
         try:
-            result = getattr(trainer, method)(*margs)
+            own = _CHILD_CALLS.get(method)
+            result = own(trainer, *margs) if own is not None else getattr(trainer, method)(*margs)
             if method in _MIRRORED:
                 result = (result, trainer.version, trainer.skipped_steps, trainer.consecutive_skips)
             conn.send(("ok", result))
         except Exception as e:  # report to the parent, which raises it; keep serving
             conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+
+
+def _step_and_save(trainer: Any, batch: Batch, directory: Path) -> tuple[TrainStats, float]:
+    """A step, then its version written into `directory`; the stats and the save's seconds."""
+    stats = trainer.step(batch)
+    t0 = time.monotonic()
+    trainer.save_adapter(directory)
+    return stats, time.monotonic() - t0
+
+
+_CHILD_CALLS = {"step_and_save": _step_and_save}  # calls the process answers itself, not the trainer
 
 
 class ProcessTrainer:
@@ -219,6 +233,13 @@ class ProcessTrainer:
     def step(self, batch: Batch) -> TrainStats:
         stats, self.version, self.skipped_steps, self.consecutive_skips = self._call("step", batch)
         return stats
+
+    def step_and_save(self, batch: Batch, directory: Path) -> tuple[TrainStats, float]:
+        """`step(batch)`, then `save_adapter(directory)`, in one round trip to the child: the stats
+        and the seconds the save took there."""
+        (stats, save_s), self.version, self.skipped_steps, self.consecutive_skips = self._call(
+            "step_and_save", batch, Path(directory))
+        return stats, save_s
 
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
         return self._call("recompute_logprobs", list(groups))

@@ -218,21 +218,44 @@ class Training:
     def _step_and_publish(self, batch: Batch) -> tuple[TrainStats, AdapterRef, dict[str, float]]:
         """A training step, then the publish of the version it made, in one worker-thread call
         (one thread hop a step, not two); returns the step's stats, the ref and the seconds of the
-        trainer call, of the publish and, within it, of the trainer writing the version's files."""
-        t0 = time.monotonic()
-        stats = self.trainer.step(batch)
-        crash_point("step.after_train")
-        t_pub = time.monotonic()
-        save_s = [0.0]
+        trainer call, of the publish and, within it, of the trainer writing the version's files.
 
-        def save(directory: Path) -> None:
+        A trainer in its own process steps and writes the version into the publish's temporary
+        directory in one round trip (`step_and_save`); its version must then be the next one."""
+        merged = getattr(self.trainer, "step_and_save", None)
+        if merged is None:
+            t0 = time.monotonic()
+            stats = self.trainer.step(batch)
+            crash_point("step.after_train")
+            t_pub = time.monotonic()
+            save_s = [0.0]
+
+            def save(directory: Path) -> None:
+                t = time.monotonic()
+                self.trainer.save_adapter(directory)
+                save_s[0] = time.monotonic() - t
+
+            ref = self.store.publish(stats.version, save)
+            return stats, ref, {"time/trainer_call_s": t_pub - t0, "time/publish_s": time.monotonic() - t_pub,
+                                "time/save_s": save_s[0]}
+        version = self.trainer.version + 1
+        done: list[Any] = []
+
+        def step_and_save(directory: Path) -> None:
             t = time.monotonic()
-            self.trainer.save_adapter(directory)
-            save_s[0] = time.monotonic() - t
+            stats, save_s = merged(batch, directory)
+            done.extend((stats, save_s, time.monotonic() - t))
+            if stats.version != version:
+                raise TrainerError(f"the trainer's step {batch.step} made version {stats.version}; a step makes "
+                                   f"the next version, {version}")
+            crash_point("step.after_train")
 
-        ref = self.store.publish(stats.version, save)
-        return stats, ref, {"time/trainer_call_s": t_pub - t0, "time/publish_s": time.monotonic() - t_pub,
-                            "time/save_s": save_s[0]}
+        t0 = time.monotonic()
+        ref = self.store.publish(version, step_and_save)
+        stats, save_s, call_s = done
+        # the call held the step and the save: the save is the publish's, as in the two-call path
+        return stats, ref, {"time/trainer_call_s": call_s - save_s,
+                            "time/publish_s": time.monotonic() - t0 - call_s + save_s, "time/save_s": save_s}
 
     async def checkpoint(self, step: int) -> None:
         """Write the checkpoint of `step`: trainer state and the ledger, with the log rows it covers."""

@@ -86,3 +86,46 @@ def test_the_check_over_episodes_with_the_real_trainer(model_dir: Path) -> None:
     out = _check(trainer, [engine_exact])
     assert out["check/tokens"] == SAMPLED_PER_GROUP == sum(map(sum, MASKS))
     assert out["check/max_abs_diff"] < 1e-5
+
+
+class _MergedTrainer:
+    """A trainer whose step and save are one call (as the trainer process's `step_and_save`)."""
+
+    def __init__(self, advance: int = 1) -> None:
+        self.version, self.advance, self.calls = 0, advance, []
+
+    def step_and_save(self, batch: Batch, directory: Path) -> tuple[object, float]:
+        from safetensors.numpy import save_file
+
+        from pipeline.types import TrainStats
+
+        self.calls.append(Path(directory))
+        self.version += self.advance
+        save_file({"w": np.full(4, self.version, np.float32)}, str(Path(directory) / "adapter_model.safetensors"))
+        (Path(directory) / "adapter_config.json").write_text("{}")
+        return TrainStats(step=batch.step, version=self.version, metrics={}, t_start=0.0, t_end=0.0), 0.001
+
+
+def _publishing(trainer: object, root: Path) -> Training:
+    from pipeline.adapter_store import AdapterStore
+
+    training = Training.__new__(Training)
+    training.trainer, training.store = trainer, AdapterStore(root, sync=False)
+    return training
+
+
+def test_a_merged_step_writes_its_version_into_the_publish_in_one_call(tmp_path: Path) -> None:
+    trainer = _MergedTrainer()
+    training = _publishing(trainer, tmp_path / "adapters")
+    stats, ref, times = training._step_and_publish(Batch(step=1, version=0, groups=()))
+    assert stats.version == ref.version == 1 and len(trainer.calls) == 1
+    assert trainer.calls[0].name.startswith(".tmp-")  # straight into the publish's temporary directory
+    assert training.store.verify_dir(ref.path) == ref
+    assert times["time/save_s"] == 0.001 and times["time/publish_s"] >= times["time/save_s"]
+
+
+def test_a_merged_step_that_skips_a_version_publishes_nothing_and_says_so(tmp_path: Path) -> None:
+    training = _publishing(_MergedTrainer(advance=2), tmp_path / "adapters")
+    with pytest.raises(TrainerError, match="made version 2; a step makes the next version, 1"):
+        training._step_and_publish(Batch(step=1, version=0, groups=()))
+    assert training.store.versions() == [] and not list((tmp_path / "adapters").iterdir())
