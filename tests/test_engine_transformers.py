@@ -375,8 +375,15 @@ def test_a_version_fills_the_slot_of_an_unloaded_one_and_samples_from_its_own_we
     tensors[first] = torch.zeros(tensors[first].shape[0] + 1, tensors[first].shape[1])  # same config, wrong shape
     save_file(tensors, str(bad / "adapter_model.safetensors"))
     bad_ref = AdapterRef(version=9, name="v000009-bad", path=str(bad))
+    nan = tmp_path / "nan"  # right names and shapes, one value not finite
+    shutil.copytree(adapters[3].path, nan)
+    tensors = load_file(str(nan / "adapter_model.safetensors"))
+    last = sorted(tensors)[-1]
+    tensors[last][0, 0] = float("nan")
+    save_file(tensors, str(nan / "adapter_model.safetensors"))
+    nan_ref = AdapterRef(version=10, name="v000010-nan", path=str(nan))
 
-    async def body(engine: TransformersEngine) -> tuple[dict[int, Generation], list[int], str]:
+    async def body(engine: TransformersEngine) -> tuple[dict[int, Generation], list[int], str, str]:
         gens, slots = {}, []
         for v in (1, 2, 3, 1):
             await engine.load_adapter(adapters[v])
@@ -385,13 +392,16 @@ def test_a_version_fills_the_slot_of_an_unloaded_one_and_samples_from_its_own_we
         await engine.unload_adapter(adapters[1])
         with pytest.raises(AdapterError) as e:
             await engine.load_adapter(bad_ref)
+        with pytest.raises(AdapterError) as e_nan:
+            await engine.load_adapter(nan_ref)
         gens[2] = await engine.generate(_request(20, "after the refusal", n=4), adapters[2])  # the free slot serves again
         slots.append(len(engine._peft.peft_config))
-        return gens, slots, str(e.value)
+        return gens, slots, str(e.value), str(e_nan.value)
 
-    gens, slots, error = _run(model_dir, body, max_loaded_adapters=1)
+    gens, slots, error, nan_error = _run(model_dir, body, max_loaded_adapters=1)
     assert slots == [1, 1, 1, 1, 1]  # one peft adapter throughout, refilled in place
     assert "does not hold the tensors" in error and "bad" in error
+    assert "does not hold the tensors" in nan_error and last in nan_error
     for v, gen in gens.items():
         assert gen.version == v
         assert _max_abs_diff(_adapted(model_dir, adapters[v]), gen) < 1e-4
