@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 import structlog
 
 from pipeline.config import RunConfig
+from pipeline.devices import trainer_threads
 from pipeline.engines.base import Engine
 from pipeline.errors import ConfigError, EngineDeadError
 from pipeline.tasks import PromptSource, build_task
@@ -213,11 +214,25 @@ def build_trainer(cfg: RunConfig, model_path: str | None) -> Any:
     from pipeline.trainer import LoRATrainer
     from pipeline.trainer_process import ProcessTrainer
 
-    cls = ProcessTrainer if cfg.trainer.separate_process else LoRATrainer
+    tc = cfg.trainer
+    if tc.separate_process and tc.device == "cpu":  # its own process: its own thread count (devices.py)
+        engine_on_cpu = cfg.engine.kind == "transformers" and "cpu" in cfg.engine.devices
+        tc = replace(tc, threads=trainer_threads(tc.threads, max_staleness=cfg.pipeline.max_staleness,
+                                                 engine_on_cpu=engine_on_cpu, hidden_size=_hidden_size(model_path)))
+    cls = ProcessTrainer if tc.separate_process else LoRATrainer
     # aggregation = "constant" divides by sequences x norm_tokens; 0 there means the completion cap
     loss = replace(cfg.loss, norm_tokens=cfg.loss.norm_tokens or cfg.sampling.max_new_tokens)
-    return cls(model_path, cfg.trainer, loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
+    return cls(model_path, tc, loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
                keep_versions=cfg.pipeline.max_staleness + 2, deterministic=cfg.deterministic)
+
+
+def _hidden_size(model_path: str | None) -> int | None:
+    """The model's width from its config.json (None when it says none or cannot be read)."""
+    try:
+        value = json.loads((Path(model_path or "") / "config.json").read_text()).get("hidden_size")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 def episodes(cfg: RunConfig, factory: Any, builder: Any, tokenizer: Any) -> Any:

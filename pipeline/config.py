@@ -381,6 +381,7 @@ class TrainerConfig:
     separate_process: bool = True  # train in a child process, so steps never hold the event loop's GIL
     nice: int = 10  # niceness of that process (0-19): when cores are short, the event loop and engines go first
     sched_idle: bool = False  # on the CPU, run that process under Linux SCHED_IDLE: less loop lag, less throughput (docs/results.md)
+    threads: int = 0  # that process's torch threads on the CPU; 0 = where they pay (docs/benchmarks.md#threads)
     max_consecutive_skips: int = 3  # this many non-finite steps in a row stop the run (after a checkpoint)
     step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
     minibatches: int = 1  # optimizer steps per batch per epoch (the batch split in this many parts); > 1 makes ppo's clip act
@@ -403,6 +404,7 @@ class TrainerConfig:
         _check(self.micro_batch_sequences >= 1, "trainer.micro_batch_sequences", ">= 1", self.micro_batch_sequences)
         _check(self.step_s >= 0, "trainer.step_s", ">= 0", self.step_s)
         _check(0 <= self.nice <= 19, "trainer.nice", "in [0, 19]", self.nice)
+        _check(self.threads >= 0, "trainer.threads", ">= 0 (0 = chosen by the workload)", self.threads)
         _check(self.max_consecutive_skips >= 1, "trainer.max_consecutive_skips", ">= 1", self.max_consecutive_skips)
         _check(self.step_timeout_s > 0, "trainer.step_timeout_s", "> 0", self.step_timeout_s)
 

@@ -12,6 +12,10 @@ Invariant: the environment is narrowed only inside `visible_devices`, and every 
 process that may use a GPU holds `ENV_LOCK`, which `visible_devices` holds too, so a child never
 starts with another's narrowed view.
 
+A trainer process on the CPU takes `trainer_threads` torch threads (trainer.threads = 0): all
+the cores where its phase runs alone (max_staleness 0) and the engine's half of them is not
+computing on the CPU, the other half otherwise, and one on a model too narrow to split.
+
 CPU compute that shares cores with the event loop (a transformers engine's torch thread on the
 CPU, a trainer process on the CPU) can run under Linux SCHED_IDLE (`sched_idle`, opt-in): the
 loop, waking, then takes the core at once instead of at the next scheduler tick.
@@ -99,3 +103,35 @@ def lower_process_priority(nice: int, idle: bool) -> None:
             continue
         if idle:
             sched_idle(tid)
+
+
+# Below this width a CPU step's ops are too small to share out: measured on 2 cores, the built-in
+# tiny model (d = 64) trained a 64-sample step in 36-41 ms on one thread against 52-64 ms on two,
+# at max_staleness 0 and 1; the small one (d = 256, 256 samples of 32 tokens) in 447-468 ms on two
+# against 698-711 ms on one at max_staleness 0 (docs/benchmarks.md#threads).
+WIDE_ENOUGH_TO_SPLIT = 256
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity where the platform says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def trainer_threads(requested: int, *, max_staleness: int, engine_on_cpu: bool, hidden_size: int | None,
+                    cores: int | None = None) -> int:
+    """The torch threads of a trainer process on the CPU: `requested` if set (> 0), else where they pay.
+
+    One on a model narrower than WIDE_ENOUGH_TO_SPLIT; all the cores at max_staleness 0 (training
+    and generation take turns) or when no engine computes on the CPU; otherwise the cores the
+    engine's half (Runtime.share_cpu) leaves."""
+    if requested > 0:
+        return requested
+    cores = cores or cpu_cores()
+    if hidden_size is not None and hidden_size < WIDE_ENOUGH_TO_SPLIT:
+        return 1
+    if max_staleness == 0 or not engine_on_cpu:
+        return cores
+    return max(1, cores - cores // 2)

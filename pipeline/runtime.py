@@ -56,12 +56,14 @@ class Runtime:
         self._signals: list[signal.Signals] = []
 
     def share_cpu(self) -> None:
-        """Engine and trainer both computing on the CPU: give each half the cores.
+        """Engine and trainer both computing on the CPU: this process (the engine's generation, and
+        an in-process trainer) takes half the cores; a trainer process takes its own count
+        (trainer.threads, `devices.trainer_threads`).
 
         Two torch threads that each run a full-width OpenMP team oversubscribe the cores, and
         the spinning teams slowed the tiny model's decoding by up to 100x on a 2-core machine.
-        Also at max_staleness 0, where they take turns: the tiny model's ops are too small for
-        a second thread to pay (vs_trl on 2 cores: 207 samples/s with both, 354 with half).
+        Also at max_staleness 0, where they take turns: decoding's ops are too small for a second
+        thread to pay (vs_trl on 2 cores: 207 samples/s with both, 354 with half; docs/benchmarks.md#threads).
         """
         cfg = self.cfg
         if cfg.trainer.device == "cpu" and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \

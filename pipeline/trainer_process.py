@@ -99,6 +99,11 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
                      daemon=True).start()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     shipper = log_to_parent(events, floor)
+    if cfg.device == "cpu" and cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)  # build_trainer chose it (devices.trainer_threads)
+        structlog.get_logger(__name__).info("trainer_threads", threads=cfg.threads)
     try:
         if trainer_cls is None:
             from pipeline.trainer import LoRATrainer as trainer_cls
@@ -134,7 +139,13 @@ def _step_and_save(trainer: Any, batch: Batch, directory: Path) -> tuple[TrainSt
     return stats, time.monotonic() - t0
 
 
-_CHILD_CALLS = {"step_and_save": _step_and_save}  # calls the process answers itself, not the trainer
+def _torch_threads(trainer: Any) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+_CHILD_CALLS = {"step_and_save": _step_and_save, "torch_threads": _torch_threads}  # the process's, not the trainer's
 
 
 class ProcessTrainer:
@@ -243,6 +254,10 @@ class ProcessTrainer:
 
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
         return self._call("recompute_logprobs", list(groups))
+
+    def torch_threads(self) -> int:
+        """The child's torch intra-op thread count."""
+        return self._call("torch_threads")
 
     def save_adapter(self, directory: Path) -> None:
         self._call("save_adapter", Path(directory))
