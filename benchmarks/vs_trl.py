@@ -2,6 +2,12 @@
 
     python benchmarks/vs_trl.py               # one seed
     python benchmarks/vs_trl.py --seeds 3     # mean and spread over seeds 0, 1, 2
+    python benchmarks/vs_trl.py --workload micro --update full --seeds 3 --staleness 0,1
+
+Workloads: `default` is B = 8 prompts x n = 8 completions of 16 tokens, 30 steps; `micro` is the
+smallest a user's first toy run is likely to be, where a step's fixed cost decides the race:
+the same 64 samples a step of 8 tokens (~50 ms a step on 2 cores), 60 steps, LoRA r16. `--update full`
+trains every weight on both sides (TRL without a peft config, our trainer.update = "full").
 
 Needs the `bench` extra (pip install -e '.[bench]': trl, datasets).
 
@@ -58,6 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=1, help="run seeds 0..N-1 and report mean and spread")
+    p.add_argument("--workload", default="default", choices=["default", "micro"])
+    p.add_argument("--update", default="lora", choices=["lora", "full"], help="LoRA adapters or every weight")
     p.add_argument("--staleness", default="0,2", help="max_staleness values of our pipeline")
     p.add_argument("--steps", type=int, help="optimizer steps (default 30)")
     p.add_argument("--batch-groups", type=int, help="B, prompts per step (default 8)")
@@ -65,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="completion length (default 16)")
     p.add_argument("--warmup-steps", type=int, help="steps left out of the steady-state samples/s (default 2)")
     p.add_argument("--lr", type=float, default=TrainerConfig.lr)
-    p.add_argument("--lora-rank", type=int, default=TrainerConfig.lora_rank)
+    p.add_argument("--lora-rank", type=int, help=f"LoRA rank (default {TrainerConfig.lora_rank}; micro 16)")
     p.add_argument("--lora-alpha", type=float, default=TrainerConfig.lora_alpha)
     p.add_argument("--num-prompts", type=int, default=512, help="size of the char_class prompt set")
     p.add_argument("--model-shape", default="tiny")
@@ -74,9 +82,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     p.add_argument("--quick", action="store_true", help="a short smoke test (under a minute on 2 CPU cores)")
     args = p.parse_args(argv)
-    quick = {"steps": 3, "batch_groups": 2, "group_size": 4, "max_new_tokens": 8, "warmup_steps": 1}
-    full = {"steps": 30, "batch_groups": 8, "group_size": 8, "max_new_tokens": 16, "warmup_steps": 2}
-    for key, value in (quick if args.quick else full).items():
+    r = TrainerConfig.lora_rank
+    quick = {"steps": 3, "batch_groups": 2, "group_size": 4, "max_new_tokens": 8, "warmup_steps": 1, "lora_rank": r}
+    full = {"steps": 30, "batch_groups": 8, "group_size": 8, "max_new_tokens": 16, "warmup_steps": 2, "lora_rank": r}
+    micro = {"steps": 60, "batch_groups": 8, "group_size": 8, "max_new_tokens": 8, "warmup_steps": 5, "lora_rank": 16}
+    for key, value in (quick if args.quick else micro if args.workload == "micro" else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.staleness_list = common.parse_list(args.staleness, int)
@@ -107,7 +117,8 @@ def run_pipeline(args: argparse.Namespace, model_path: Path, seed: int, K: int, 
         "out": str(run_dir), "seed": seed, "model.path": str(model_path),
         "task.name": "char_class", "task.num_prompts": args.num_prompts,
         "engine.kind": "transformers", "engine.devices": ["cpu"], "trainer.kind": "peft", "trainer.device": "cpu",
-        "trainer.lr": args.lr, "trainer.lora_rank": args.lora_rank, "trainer.lora_alpha": args.lora_alpha,
+        "trainer.lr": args.lr, "trainer.update": args.update,
+        "trainer.lora_rank": args.lora_rank, "trainer.lora_alpha": args.lora_alpha,
         "trainer.lora_dropout": 0.0, "trainer.target_modules": ["all-linear"],
         "sampling.n": args.group_size, "sampling.max_new_tokens": args.max_new_tokens,
         "pipeline.steps": args.steps, "pipeline.batch_groups": args.batch_groups, "pipeline.max_staleness": K,
@@ -130,7 +141,8 @@ def run_pipeline(args: argparse.Namespace, model_path: Path, seed: int, K: int, 
     ends = [end for _, end in p.timeline["training"]]
     rewards = [r["reward_mean"] for r in rows]
     return {
-        "system": f"pipeline K={K}", "seed": seed, "max_staleness": K, "samples": samples,
+        "system": f"pipeline K={K}", "seed": seed, "max_staleness": K, "update": p.config.trainer.update,
+        "samples": samples,
         "wall_s": s["wall_s"], "setup_s": s["setup_s"], "total_s": total,
         "samples_per_s": samples / s["wall_s"],
         "samples_per_s_steady": steady_rate(ends, args.batch_groups * args.group_size, args.warmup_steps),
@@ -210,8 +222,9 @@ def run_trl(args: argparse.Namespace, model_path: Path, seed: int, out_dir: Path
     trainer = GRPOTrainer(
         model=str(model_path), reward_funcs=char_class_reward, args=cfg, train_dataset=data,
         processing_class=AutoTokenizer.from_pretrained(str(model_path)),
-        peft_config=LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                               target_modules="all-linear", bias="none", task_type="CAUSAL_LM"),
+        peft_config=None if args.update == "full" else LoraConfig(
+            r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules="all-linear",
+            bias="none", task_type="CAUSAL_LM"),
         callbacks=[StepClock()])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts would drown the benchmark's own output
     setup = time.perf_counter() - t0
@@ -338,23 +351,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         [[s["system"], len(s["seeds"]), s["samples"], pm(s["wall_s"]), pm(s["setup_s"]), pm(s["samples_per_s"]),
           pm(s["samples_per_s_steady"]), pm(s["reward_final"]), pm(s["reward_mean"]),
           ratios.get(s["system"], {}).get("samples_per_s_vs_trl")] for s in summary])
-    title = (f"{args.model_shape} model, char_class, B={args.batch_groups} x n={args.group_size}, "
-             f"{args.max_new_tokens} tokens, {args.steps} steps, lr {args.lr:g}, LoRA r{args.lora_rank} | "
+    update = "full weights" if args.update == "full" else f"LoRA r{args.lora_rank}"
+    title = (f"{args.workload} workload: {args.model_shape} model, char_class, B={args.batch_groups} x "
+             f"n={args.group_size}, {args.max_new_tokens} tokens, {args.steps} steps, lr {args.lr:g}, {update} | "
              f"{common.hardware_tag(hw)}")
     lines = [f"TRL GRPOTrainer vs pipeline -- {title}", tbl]
     if note:
         lines.append(f"note: {note}")
     text = "\n".join(lines)
     print(text, flush=True)
-    name = f"{BENCHMARK}_{args.model_shape}_{common.hardware_tag(hw)}{'_quick' if args.quick else ''}"
+    workload = "" if args.workload == "default" and args.update == "lora" else f"_{args.workload}_{args.update}"
+    name = f"{BENCHMARK}{workload}_{args.model_shape}_{common.hardware_tag(hw)}{'_quick' if args.quick else ''}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     plot(summary, args.batch_groups * args.group_size, title, out / f"{name}.png")
     record = {
         **common.header(BENCHMARK, argv), "hardware": hw, "machine_load": machine_load, "load_note": note,
-        "settings": {k: getattr(args, k) for k in ("seeds", "staleness_list", "steps", "batch_groups", "group_size",
-                                                   "max_new_tokens", "warmup_steps", "lr", "lora_rank", "lora_alpha",
-                                                   "num_prompts", "model_shape", "quick")},
+        "settings": {k: getattr(args, k) for k in (
+            "seeds", "workload", "update", "staleness_list", "steps", "batch_groups", "group_size", "max_new_tokens",
+            "warmup_steps", "lr", "lora_rank", "lora_alpha", "num_prompts", "model_shape", "quick")},
         "model_path": str(model_path), "target_modules": "all-linear", "task": "char_class",
         "trl": trl_settings(args) if not args.skip_trl else None, "pipeline": pipeline_settings(),
         "summary": summary, "ratios": ratios, "runs": [r for rs in runs.values() for r in rs],

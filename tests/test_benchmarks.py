@@ -437,6 +437,17 @@ def test_vs_trl_our_side_alone(tmp_path: Path, model_cache: Path) -> None:
         assert s["samples_per_s"]["mean"] > 0 and 0.0 <= s["reward_final"]["mean"] <= 1.0
 
 
+def test_vs_trl_micro_workload_and_full_weights(tmp_path: Path, model_cache: Path) -> None:
+    vt = load("vs_trl")
+    micro = vt.parse_args(["--workload", "micro"])
+    assert (micro.steps, micro.batch_groups * micro.group_size, micro.max_new_tokens, micro.lora_rank) == (60, 64, 8, 16)
+    assert vt.parse_args([]).lora_rank == 8 and vt.parse_args(["--workload", "micro", "--lora-rank", "4"]).lora_rank == 4
+    rec = vt.main(["--quick", "--skip-trl", "--update", "full", "--staleness", "0", "--out", str(tmp_path),
+                   "--model-cache", str(model_cache)])
+    assert Path(rec["files"]["json"]).name.startswith("vs_trl_default_full_tiny_")
+    assert [r["update"] for r in rec["runs"]] == ["full"] and "full weights" in rec["printed"]
+
+
 @pytest.mark.slow
 def test_vs_trl_runs_trl_and_ours_on_equal_samples(tmp_path: Path, model_cache: Path) -> None:
     pytest.importorskip("trl")
