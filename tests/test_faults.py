@@ -151,7 +151,9 @@ def _corrupt_versions(p: Pipeline, bad: set[int]) -> None:
 
 
 def test_a_corrupt_version_is_refused_and_the_last_good_one_served(tmp_path: Path) -> None:
-    cfg = sim_config(tmp_path, **{"pipeline.max_staleness": 2, "pipeline.steps": 10})
+    # the adapter loop takes the newest version published: with instant steps it could find 4
+    # already there and never try 3; 20 ms steps give it time to meet each version in turn
+    cfg = sim_config(tmp_path, **{"pipeline.max_staleness": 2, "pipeline.steps": 10, "trainer.step_s": 0.02})
 
     async def main() -> tuple[Pipeline, dict]:
         p = Pipeline(cfg, prompts=PROMPTS, reward=reward, tokenizer=False, console=False)
