@@ -205,8 +205,19 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int) -> li
     return [make(i, dev) for i, dev in enumerate(cfg.engine.devices)]
 
 
-def build_trainer(cfg: RunConfig, model_path: str | None) -> Any:
-    """The trainer of trainer.kind: peft LoRA (or full weights) in its own process or a thread, or simulated."""
+def early_trainer_process(cfg: RunConfig) -> Any:
+    """The trainer's process, started at once to import its libraries while the model is built
+    (None where the trainer runs in this process or is simulated)."""
+    if cfg.trainer.kind == "simulated" or not cfg.trainer.separate_process:
+        return None
+    from pipeline.trainer_process import TrainerProcess
+
+    return TrainerProcess(cfg.trainer)
+
+
+def build_trainer(cfg: RunConfig, model_path: str | None, process: Any = None) -> Any:
+    """The trainer of trainer.kind: peft LoRA (or full weights) in its own process (`process`, when
+    started early) or a thread, or simulated."""
     if cfg.trainer.kind == "simulated":
         from pipeline.trainer import SimulatedTrainer
 
@@ -222,8 +233,9 @@ def build_trainer(cfg: RunConfig, model_path: str | None) -> Any:
     cls = ProcessTrainer if tc.separate_process else LoRATrainer
     # aggregation = "constant" divides by sequences x norm_tokens; 0 there means the completion cap
     loss = replace(cfg.loss, norm_tokens=cfg.loss.norm_tokens or cfg.sampling.max_new_tokens)
+    kwargs = {"process": process} if cls is ProcessTrainer else {}
     return cls(model_path, tc, loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
-               keep_versions=cfg.pipeline.max_staleness + 2, deterministic=cfg.deterministic)
+               keep_versions=cfg.pipeline.max_staleness + 2, deterministic=cfg.deterministic, **kwargs)
 
 
 def _hidden_size(model_path: str | None) -> int | None:

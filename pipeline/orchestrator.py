@@ -180,6 +180,7 @@ class Pipeline:
         self._ready = False  # set-up has finished: shutdown has groups to account for and a summary to write
         self._built_engines: list[Engine] = []
         self._closers: list[Any] = []  # what set-up opened that shutdown closes, in the order opened
+        self._early_trainer: Any = None  # the trainer's process, started before the model is read
         self.runtime = Runtime(self.config)
         self.lag = LoopLagMonitor()
         self.trainer: Any = None
@@ -205,6 +206,8 @@ class Pipeline:
         cfg, pc = self.config, self.config.pipeline
         t0 = time.monotonic()
         build.check_devices(cfg, builds_engines=self._user_engines is None, builds_trainer=self._user_trainer is None)
+        if self._user_trainer is None:  # its imports run while the data and the model are read
+            self._early_trainer = await asyncio.to_thread(build.early_trainer_process, cfg)
         # prompts and rewards first: a bad data file is said before a model is built
         items, eval_items, reward = await asyncio.to_thread(build.prompt_sets, cfg, self._user_prompts,
                                                             self._user_eval_prompts, self._user_reward)
@@ -248,7 +251,7 @@ class Pipeline:
         self.versions = Versions(rotation=self.rotation, store=self.store, buffer=self.buffer, pins=pins,
                                  max_staleness=pc.max_staleness, load_timeout_s=cfg.engine.load_timeout_s,
                                  full_weights=cfg.trainer.update == "full", start_version=self.start_version)
-        self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path)
+        self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path, self._early_trainer)
         self.setup.update(await build.start(self.engines, self.trainer, cfg.engine.start_timeout_s))
         builder = build.prompt_builder(cfg, self.tokenizer, self.model_path, self.engines)  # needs started engines
         if session.checkpoint is not None:
@@ -326,6 +329,8 @@ class Pipeline:
                 await self.versions.unload_on_engines(ref, self._user_engines)
         self.runtime.restore()
         await build.close(self._built_engines, self.trainer if self._user_trainer is None else None, timeout)
+        if self._early_trainer is not None:  # set-up failed before a trainer took it over
+            await asyncio.to_thread(self._early_trainer.close)
         for closer in self._closers:  # the RolloutLog's close is a last flush to disk: in a thread
             await (asyncio.to_thread(closer.close) if closer is self.rollout_log else closer.close())
         if self._ready:

@@ -59,6 +59,7 @@ from pipeline.types import Batch, RolloutGroup, TrainStats
 
 _MIRRORED = ("setup", "step", "step_and_save", "load_state")  # calls that answer with the trainer's counters too
 _FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
+_EXIT_AFTER_STOP_S = 0.2  # how long a child that answered "stop" is given to exit before it is killed
 
 
 @contextlib.contextmanager
@@ -84,29 +85,38 @@ def _exit_with(parent_sentinel: int) -> None:
     os._exit(1)
 
 
-def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None, args: tuple,
-           kwargs: dict) -> None:
-    """The child's loop: build the trainer, then answer (method, args) requests until told to stop."""
+def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None,
+           start: tuple[tuple, dict] | None, priority: tuple[int, bool]) -> None:
+    """The child's loop: build the trainer, then answer (method, args) requests until told to stop.
+
+    start: the trainer's (args, kwargs); None for a process started early (`TrainerProcess`),
+    which imports the trainer's libraries first and then waits for them in an "init" message."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process stops
     # Lower priority than the orchestrator: on a machine short of cores (2 on a laptop or CI),
     # a step that competed as an equal delayed the event loop by a scheduler slice (5-6 ms).
     # Every thread has it: those imports started and those started later (torch's included).
-    cfg = args[1]
-    lower_process_priority(cfg.nice, idle=cfg.sched_idle and cfg.device == "cpu")
+    lower_process_priority(priority[0], idle=priority[1])
     threading.Thread(target=_exit_with, args=(mp.parent_process().sentinel,), name="trainer-parent-watch",
                      daemon=True).start()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     shipper = log_to_parent(events, floor)
-    if cfg.device == "cpu" and cfg.threads:
-        import torch
-
-        torch.set_num_threads(cfg.threads)  # build_trainer chose it (devices.trainer_threads)
-        structlog.get_logger(__name__).info("trainer_threads", threads=cfg.threads)
     try:
         if trainer_cls is None:
-            from pipeline.trainer import LoRATrainer as trainer_cls
+            from pipeline.trainer import LoRATrainer as trainer_cls  # torch, transformers, peft: seconds
+        if start is None:
+            try:
+                _, start = conn.recv()  # ("init", (args, kwargs)), once the model exists
+            except EOFError:  # never used: the run ended before its trainer was built
+                return
+        args, kwargs = start
+        cfg = args[1]
+        if cfg.device == "cpu" and cfg.threads:
+            import torch
+
+            torch.set_num_threads(cfg.threads)  # build_trainer chose it (devices.trainer_threads)
+            structlog.get_logger(__name__).info("trainer_threads", threads=cfg.threads)
         trainer = trainer_cls(*args, **kwargs)
     except BaseException:
         structlog.get_logger(__name__).exception("trainer_process_failed", stage="start")
@@ -148,6 +158,62 @@ def _torch_threads(trainer: Any) -> int:
 _CHILD_CALLS = {"step_and_save": _step_and_save, "torch_threads": _torch_threads}  # the process's, not the trainer's
 
 
+def _priority(cfg: TrainerConfig) -> tuple[int, bool]:
+    return cfg.nice, cfg.sched_idle and cfg.device == "cpu"
+
+
+def _spawn(trainer_cls: type | None, start: tuple[tuple, dict] | None,
+           priority: tuple[int, bool]) -> tuple[Any, Connection, threading.Thread]:
+    """Start a trainer process: (process, its request pipe, the thread forwarding its events)."""
+    if trainer_cls is not None and trainer_cls.__module__ == "__main__":
+        raise TrainerError(f"trainer_cls {trainer_cls.__qualname__} is defined in the script being run "
+                           "(__main__), which the trainer's process does not import; define it in a module")
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    events, child_events = ctx.Pipe(duplex=False)
+    floor = max(logging.getLogger("pipeline").getEffectiveLevel(), logging.DEBUG)
+    proc = ctx.Process(target=_serve, args=(child, child_events, floor, trainer_cls, start, priority),
+                       name="pipeline-trainer", daemon=True)
+    # not while a vLLM engine's start has narrowed CUDA_VISIBLE_DEVICES to its GPU
+    with ENV_LOCK, _main_module_hidden():
+        proc.start()
+    child.close()
+    child_events.close()  # the child's copy is the only writer left, so its end is the pipe's end
+    reader = threading.Thread(target=forward_events, args=(events, proc), name="trainer-events", daemon=True)
+    reader.start()
+    return proc, conn, reader
+
+
+class TrainerProcess:
+    """A trainer process started before the model it will train exists: it imports torch,
+    transformers and peft (2-3 s on a CPU) while the pipeline builds or loads the model.
+    A ProcessTrainer given it (`process=`) takes it over at setup; `close()` ends one never used."""
+
+    def __init__(self, cfg: TrainerConfig, trainer_cls: type | None = None) -> None:
+        self.trainer_cls = trainer_cls
+        self.priority = _priority(cfg)
+        self.parts: tuple[Any, Connection, threading.Thread] | None = _spawn(trainer_cls, None, self.priority)
+
+    def take(self) -> tuple[Any, Connection, threading.Thread]:
+        """The process, its pipe and its event reader, now the caller's (once)."""
+        if self.parts is None:
+            raise TrainerError("this trainer process was already taken or closed")
+        parts, self.parts = self.parts, None
+        return parts
+
+    def close(self) -> None:
+        """End the process if nobody took it (idempotent): its pipe closes, it exits; killed after 10 s."""
+        if self.parts is None:
+            return
+        (proc, conn, reader), self.parts = self.parts, None
+        conn.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        reader.join(_FLUSH_S)
+
+
 class ProcessTrainer:
     """A LoRATrainer running in a child process (`trainer.separate_process = true`).
 
@@ -157,7 +223,11 @@ class ProcessTrainer:
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *, seed: int = 0,
                  trust_remote_code: bool = False, keep_versions: int = 3, deterministic: bool = False,
-                 start_timeout_s: float = 600.0, trainer_cls: type | None = None) -> None:
+                 start_timeout_s: float = 600.0, trainer_cls: type | None = None,
+                 process: TrainerProcess | None = None) -> None:
+        if process is not None and (process.trainer_cls is not trainer_cls or process.priority != _priority(cfg)):
+            raise TrainerError("the trainer process given was started for another trainer class or priority")
+        self._process = process  # started early (TrainerProcess): taken over at setup
         self._args = (str(model_path), cfg, loss_cfg)
         self._kwargs = {"seed": seed, "trust_remote_code": trust_remote_code, "keep_versions": keep_versions,
                         "deterministic": deterministic}
@@ -222,23 +292,15 @@ class ProcessTrainer:
         return value
 
     def setup(self) -> None:
-        if self._trainer_cls is not None and self._trainer_cls.__module__ == "__main__":
-            raise TrainerError(f"trainer_cls {self._trainer_cls.__qualname__} is defined in the script being run "
-                               "(__main__), which the trainer's process does not import; define it in a module")
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        events, child_events = ctx.Pipe(duplex=False)
-        floor = max(logging.getLogger("pipeline").getEffectiveLevel(), logging.DEBUG)
-        self._proc = ctx.Process(target=_serve, args=(child, child_events, floor, self._trainer_cls, self._args,
-                                                      self._kwargs), name="pipeline-trainer", daemon=True)
-        # not while a vLLM engine's start has narrowed CUDA_VISIBLE_DEVICES to its GPU
-        with ENV_LOCK, _main_module_hidden():
-            self._proc.start()
-        child.close()
-        child_events.close()  # the child's copy is the only writer left, so its end is the pipe's end
-        self._reader = threading.Thread(target=forward_events, args=(events, self._proc),
-                                        name="trainer-events", daemon=True)
-        self._reader.start()
+        if self._process is not None:  # started early: it has imported its libraries, now it builds the trainer
+            self._proc, self._conn, self._reader = self._process.take()
+            try:
+                self._conn.send(("init", (self._args, self._kwargs)))
+            except OSError:  # it died while importing: the setup call below says so
+                pass
+        else:
+            self._proc, self._conn, self._reader = _spawn(self._trainer_cls, (self._args, self._kwargs),
+                                                          _priority(self._args[1]))
         _, self.version, self.skipped_steps, self.consecutive_skips = self._call("setup")
 
     def step(self, batch: Batch) -> TrainStats:
@@ -281,13 +343,16 @@ class ProcessTrainer:
             locked = self._lock.acquire(timeout=_FLUSH_S)
         try:
             if idle and self._proc.is_alive() and self._conn is not None:
+                acked = False
                 try:
                     self._conn.send(("stop", ()))
-                    self._conn.poll(10)
+                    acked = self._conn.poll(10)
                 except OSError:  # already gone (OSError covers a broken pipe)
                     pass
-                self._proc.join(10)
-            self._kill()  # when it did not stop on request
+                # once it has answered, its events are flushed and nothing of it is left to keep: an
+                # interpreter holding torch takes ~0.5-1 s to tear itself down, which a run need not wait
+                self._proc.join(_EXIT_AFTER_STOP_S if acked else 10)
+            self._kill()  # when it did not stop on request (or is still tearing down)
             if self._conn is not None:
                 self._conn.close()  # the events pipe is the reader's to close, once it has read all
             self._proc = None

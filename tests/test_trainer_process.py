@@ -263,3 +263,53 @@ os._exit(0)
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(pid)
+
+
+def test_a_trainer_process_started_early_builds_its_trainer_once_given_the_arguments(tmp_path: Path) -> None:
+    """TrainerProcess: the process runs (importing) before the trainer's arguments exist; the
+    ProcessTrainer given it builds the trainer there at setup, with the priority it was started with."""
+    from pipeline.trainer_process import TrainerProcess
+
+    cfg = TrainerConfig(nice=6)
+    early = TrainerProcess(cfg, trainer_cls=Scripted)
+    pid = early.parts[0].pid
+    assert early.parts[0].is_alive()
+    trainer = ProcessTrainer("unused", cfg, LossConfig(), start_timeout_s=60, trainer_cls=Scripted, process=early)
+    try:
+        trainer.setup()
+        assert trainer.pid == pid and os.getpriority(os.PRIO_PROCESS, pid) == 6
+        assert trainer.step(0.0) == 0.0 and trainer.version == 1
+        early.close()  # taken over: closing it now does nothing to the trainer's process
+        assert trainer.step(0.0) == 0.0 and trainer.version == 2
+    finally:
+        trainer.close()
+    with pytest.raises(TrainerError, match="another trainer class or priority"):
+        ProcessTrainer("unused", TrainerConfig(nice=1), LossConfig(), trainer_cls=Scripted,
+                       process=TrainerProcess(cfg, trainer_cls=Scripted))
+
+
+def test_an_early_trainer_process_nobody_used_ends_with_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A set-up that fails after the trainer's process started (reading the prompts, here) leaves no
+    trainer process behind; nor does TrainerProcess.close() of one never used."""
+    from pipeline import build
+    from pipeline.config_io import load_config
+    from pipeline.errors import ConfigError
+    from pipeline.orchestrator import Pipeline
+    from pipeline.trainer_process import TrainerProcess
+
+    early = TrainerProcess(TrainerConfig(), trainer_cls=Scripted)
+    proc = early.parts[0]
+    early.close()
+    assert not proc.is_alive()
+    started: list[TrainerProcess] = []
+    spawn = build.early_trainer_process
+    monkeypatch.setattr(build, "early_trainer_process", lambda cfg: started.append(spawn(cfg)) or started[-1])
+
+    def unreadable(*args: object) -> None:
+        raise ConfigError("data.train: the prompts could not be read")
+
+    monkeypatch.setattr(build, "prompt_sets", unreadable)
+    with pytest.raises(ConfigError, match="could not be read"):
+        Pipeline(load_config(None, {"out": str(tmp_path / "run")}), console=False).run_sync()
+    [early] = started
+    assert early.parts is None and [p for p in mp.active_children() if p.name == "pipeline-trainer"] == []
