@@ -59,7 +59,6 @@ from pipeline.types import Batch, RolloutGroup, TrainStats
 
 _MIRRORED = ("setup", "step", "step_and_save", "load_state")  # calls that answer with the trainer's counters too
 _FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
-_EXIT_AFTER_STOP_S = 0.2  # how long a child that answered "stop" is given to exit before it is killed
 
 
 @contextlib.contextmanager
@@ -130,7 +129,10 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
         if method == "stop":
             shipper.flush(_FLUSH_S)
             conn.send(("ok", None))
-            return
+            conn.close()
+            # its events are flushed and its files written: nothing is left that the interpreter's
+            # teardown would keep, and with torch loaded that teardown takes 0.5-1 s of every run's end
+            os._exit(0)
         try:
             own = _CHILD_CALLS.get(method)
             result = own(trainer, *margs) if own is not None else getattr(trainer, method)(*margs)
@@ -343,16 +345,13 @@ class ProcessTrainer:
             locked = self._lock.acquire(timeout=_FLUSH_S)
         try:
             if idle and self._proc.is_alive() and self._conn is not None:
-                acked = False
                 try:
                     self._conn.send(("stop", ()))
-                    acked = self._conn.poll(10)
+                    self._conn.poll(10)
                 except OSError:  # already gone (OSError covers a broken pipe)
                     pass
-                # once it has answered, its events are flushed and nothing of it is left to keep: an
-                # interpreter holding torch takes ~0.5-1 s to tear itself down, which a run need not wait
-                self._proc.join(_EXIT_AFTER_STOP_S if acked else 10)
-            self._kill()  # when it did not stop on request (or is still tearing down)
+                self._proc.join(10)
+            self._kill()  # when it did not stop on request
             if self._conn is not None:
                 self._conn.close()  # the events pipe is the reader's to close, once it has read all
             self._proc = None
