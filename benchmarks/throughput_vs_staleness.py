@@ -8,6 +8,8 @@
     python benchmarks/throughput_vs_staleness.py --engine vllm --trainer sim \\
         --engine-device cuda:0 --trainer-device cuda:0                  # one GPU: what the pipeline costs vLLM
     python benchmarks/throughput_vs_staleness.py --update full          # full-weight updates instead of LoRA
+    python benchmarks/throughput_vs_staleness.py --engine vllm_server --compare-in-process --trainer sim \\
+        --engine-device cuda:0 --trainer-device cuda:0                  # `vllm serve` against in-process vLLM
 
 Every value of max_staleness (K) runs the same workload, seed and hardware in this process, and
 is compared with K=0 (the synchronous baseline) of the same run.
@@ -51,12 +53,24 @@ How the figures are measured:
   version (copied: the store hashes and fsyncs real bytes, the engine loads real weights from
   disk). The engine then sees what it sees with the trainer on another GPU, on one GPU. The
   reward is not reported (nothing learns); the file name ends in _simtrainer before the hardware.
+- --engine vllm_server: one `vllm serve` on --engine-device (pipeline/engines/vllm_serve.py),
+  started once with the in-process engine's settings and adapter slots, and one HTTP engine on it
+  (engine.kind = "vllm_server") shared by every run. The engine alone is timed by the same client
+  code as the in-process engine's (groups submitted at once through generate). "load ms" is the
+  engine's own load of a version from the runs' events (the server: its POST /v1/load_lora_adapter;
+  in process: vLLM's add_lora).
+- --compare-in-process (with --engine vllm_server): the in-process vLLM sweep first, its engine
+  closed, then the server's on the same GPU, replaying the trainer step timed in the first; one
+  JSON holds both sweeps and a table per K and engine (groups/s and over in-process at the same
+  K, gen kept, lag p99, publish-to-loaded mean and max, load ms mean and max).
 - --engine sim takes its speeds from --gen-ratio (generator seconds per batch / trainer seconds
   per batch) and --train-step-s: the engine samples B groups at once (concurrency = B), each
   taking gen_ratio * train_step_s, and the trainer sleeps train_step_s per step.
 
 Writes <out>/throughput_vs_staleness_<engine>_<shape>_<hardware>.json and .png (one pair per
-ratio with --ratios; "_full" before the hardware with --update full).
+ratio with --ratios; "_full" before the hardware with --update full), each as its sweep ends.
+--compare-in-process writes each engine's pair, then one JSON holding both sweeps and the table
+per K, <engine> = vllm_server_vs_in_process.
 """
 
 # This script is the command line and the sweep driver. The workloads it runs (engines, trainers,
@@ -83,13 +97,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 from staleness import analysis  # noqa: E402  (this sweep's parts, in benchmarks/staleness/)
 from staleness.workloads import (  # noqa: E402
-    SimWorkload, TransformersWorkload, VLLMWorkload, Workload, free_memory, vllm_missing)
+    SimWorkload, TransformersWorkload, VLLMServerWorkload, VLLMWorkload, Workload, free_memory, vllm_missing)
 
 from pipeline.config_io import load_config, parse_override  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
 from pipeline.orchestrator import Pipeline  # noqa: E402
 
 BENCHMARK = "throughput_vs_staleness"
+VLLM_ENGINES = ("vllm", "vllm_server")  # engines that need vLLM and a GPU
+COMPARED_NAME = "vllm_server_vs_in_process"  # the engine part of a --compare-in-process result's name
 SIM_TRAIN_STEP_S = 0.05  # the simulated trainer's default seconds per step: the sweep shows its curve in seconds
 
 DEFAULTS = {  # per engine: steps, batch groups B, max_new_tokens, model shape
@@ -97,12 +113,14 @@ DEFAULTS = {  # per engine: steps, batch groups B, max_new_tokens, model shape
     "transformers": {"steps": 30, "batch_groups": 8, "max_new_tokens": 16, "model_shape": "tiny"},
     "vllm": {"steps": 12, "batch_groups": 32, "max_new_tokens": 128, "model_shape": "qwen2.5-0.5b"},
 }
+DEFAULTS["vllm_server"] = DEFAULTS["vllm"]
 QUICK = {  # --quick: under a minute on a 2-core CPU
     "sim": {"steps": 10, "staleness": "0,1,2", "train_step_s": 0.05},
     "transformers": {"steps": 4, "staleness": "0,1", "batch_groups": 2, "group_size": 4, "max_new_tokens": 8,
                      "warmup_steps": 1},
     "vllm": {"steps": 6, "staleness": "0,1", "batch_groups": 8, "max_new_tokens": 64, "enforce_eager": True},
 }
+QUICK["vllm_server"] = QUICK["vllm"]
 
 
 # ====================================================================== command line
@@ -112,7 +130,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=("sim", "transformers", "vllm"), default="sim")
+    p.add_argument("--engine", choices=("sim", "transformers", *VLLM_ENGINES), default="sim",
+                   help="vllm_server: one `vllm serve` started on --engine-device, the pipeline's HTTP engine on it")
     p.add_argument("--staleness", default=None, metavar="K,K,...", help="max_staleness values (default 0,1,2,4,8)")
     p.add_argument("--steps", type=int, help="training steps per K (default: sim 40, transformers 30, vllm 12)")
     p.add_argument("--warmup-steps", type=int, default=None,
@@ -137,7 +156,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     s.add_argument("--train-step-s", type=float, default=None,
                    help=f"simulated trainer seconds per step ({SIM_TRAIN_STEP_S}; another value adds _step<s>s to "
                         "the file name)")
-    m = p.add_argument_group("real engines (--engine transformers|vllm)")
+    m = p.add_argument_group("real engines (--engine transformers|vllm|vllm_server)")
     m.add_argument("--trainer", choices=("peft", "sim"), default="peft",
                    help="peft: the LoRA trainer (default). sim: a stand-in that trains nothing: each step "
                         "sleeps as long as the real trainer's step took in the standalone measurement and "
@@ -153,11 +172,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--lora-rank", type=int, help="LoRA rank (default: 8; vllm 16)")
     m.add_argument("--lora-alpha", type=float, help="LoRA alpha (default: 2 x rank)")
     m.add_argument("--standalone-groups", type=int, help="groups of the engine's standalone measurement (default B)")
-    g = p.add_argument_group("vLLM (--engine vllm)")
-    g.add_argument("--engine-device", default="cuda:0")
+    g = p.add_argument_group("vLLM (--engine vllm|vllm_server)")
+    g.add_argument("--compare-in-process", action="store_true",
+                   help="with --engine vllm_server: sweep the in-process vLLM engine first, on the same GPU, and "
+                        "write one JSON with both sweeps side by side")
+    g.add_argument("--engine-device", default="cuda:0", help="the engine's GPU (the server's, for vllm_server)")
     g.add_argument("--trainer-device", default="cuda:1")
     g.add_argument("--trainer-dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="the engine's share of its GPU")
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--max-num-seqs", type=int, default=None, help="engine.vllm.max_num_seqs (default: the config's)")
     g.add_argument("--enforce-eager", action="store_true", help="no torch.compile/CUDA graphs (faster start)")
@@ -180,7 +202,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.model_shape is None:
         args.model_shape = d["model_shape"]
     if args.lora_rank is None:
-        args.lora_rank = 16 if args.engine == "vllm" else 8
+        args.lora_rank = 16 if args.engine in VLLM_ENGINES else 8
     if args.lora_alpha is None:
         args.lora_alpha = 2.0 * args.lora_rank
     args.enforce_eager = args.enforce_eager or q.get("enforce_eager", False)
@@ -194,6 +216,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--gen-ratio/--ratios and --train-step-s must be > 0")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.compare_in_process and args.engine != "vllm_server":
+        p.error(f"--compare-in-process compares --engine vllm_server with the in-process engine, not --engine "
+                f"{args.engine}")
+    if args.engine == "vllm_server" and args.update == "full":
+        p.error('--engine vllm_server takes LoRA updates only (engine.kind = "vllm_server" loads no full weights)')
     try:
         args.set_overrides = {".".join(key): value for key, value in map(parse_override, args.set)}
         load_config(None, args.set_overrides)
@@ -236,8 +263,8 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
     """The workload's standalone rates, then one run per K (each after the engine alone at its depth,
     where the workload measures that), each compared with K=0 of the same sweep."""
     a = w.args
-    await w.prepare()
     try:
+        await w.prepare(scratch)
         print(f"[{w.kind} {w.shape}] standalone rates ...", flush=True)
         st = await w.standalone(scratch / "standalone")
         st["idle_loop_lag"] = await common.idle_loop_lag(1.0 if a.quick else 3.0)
@@ -255,6 +282,7 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
                   f"({time.perf_counter() - t0:.1f} s)", flush=True)
     finally:
         await w.close()
+        free_memory()  # what the engine held here (GPU memory too) goes before another workload starts
     sync = analysis.against_baselines(results, st, a.batch_groups)
     out: dict[str, Any] = {"standalone": st, "results": results, "settings_extra": w.settings(), **sync}
     if (checks := w.checks(st, results)) is not None:
@@ -311,56 +339,101 @@ def plot(res: dict[str, Any], title: str, path: Path) -> None:
 
 
 
-def result_name(w: Workload, args: argparse.Namespace, hw: dict[str, Any]) -> str:
-    """The JSON/PNG file name: the benchmark, the workload, what changes its figures, the hardware."""
+def result_name(w: Workload, args: argparse.Namespace, hw: dict[str, Any], kind: str | None = None) -> str:
+    """The JSON/PNG file name: the benchmark, the workload (its engine: `kind`, default the workload's),
+    what changes its figures, the hardware."""
     full = "_full" if args.update == "full" else ""
     sim_trainer = "_simtrainer" if w.kind != "sim" and args.trainer == "sim" else ""
     # a simulated sweep at another step time is another result, not a rerun of the default's
     step_s = f"_step{args.train_step_s:g}s" \
         if w.kind == "sim" and args.train_step_s != args.default_train_step_s else ""
-    return (f"{BENCHMARK}_{w.kind}_{w.shape}{full}{step_s}{sim_trainer}_{common.hardware_tag(hw)}"
+    return (f"{BENCHMARK}_{kind or w.kind}_{w.shape}{full}{step_s}{sim_trainer}_{common.hardware_tag(hw)}"
             f"{'_quick' if args.quick else ''}")
 
 
-async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> list[dict[str, Any]]:
+def workloads_of(args: argparse.Namespace) -> list[Workload]:
+    """What to sweep, in order: one workload per ratio (sim), the one engine, or the two engines compared."""
+    if args.engine == "vllm_server":
+        if not args.compare_in_process:
+            return [VLLMServerWorkload(args)]
+        # in process first: its engine is closed, its GPU memory freed, before the server starts
+        in_process = VLLMWorkload(args)
+        return [in_process, VLLMServerWorkload(args, trainer_from=in_process)]
     if args.engine == "vllm":
-        workloads: list[Workload] = [VLLMWorkload(args)]
-    elif args.engine == "transformers":
-        workloads = [TransformersWorkload(args)]
-    else:
-        workloads = [SimWorkload(args, r) for r in args.ratio_list]
+        return [VLLMWorkload(args)]
+    if args.engine == "transformers":
+        return [TransformersWorkload(args)]
+    return [SimWorkload(args, r) for r in args.ratio_list]
+
+
+def run_settings(w: Workload, args: argparse.Namespace) -> dict[str, Any]:
+    """The settings every run of a sweep shares, as its record keeps them."""
+    return {"engine": w.kind, "shape": w.shape, "staleness": args.staleness_list, "steps": args.steps,
+            "warmup_steps": args.warmup_steps, "batch_groups": args.batch_groups, "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "repeats": args.repeats, "quick": args.quick,
+            "set": args.set_overrides}
+
+
+def sweep_record(w: Workload, res: dict[str, Any], load: common.MachineLoad, args: argparse.Namespace,
+                 argv: Sequence[str] | None, out_dir: Path) -> dict[str, Any]:
+    """One finished sweep's record, its report printed and its PNG written (its JSON is the caller's to write)."""
+    hw = common.hardware()
+    machine_load = load.record()
+    note = common.load_note(machine_load, hw["cpu_affinity"])
+    name = result_name(w, args, hw)
+    title = f"{w.describe()} | B={args.batch_groups} x n={args.group_size}, {args.steps} steps | " \
+            f"{common.hardware_tag(hw)}"
+    text, tbl = analysis.report(res, title, args.batch_groups, w.learns, note)
+    print(text, flush=True)
+    record = {
+        **common.header(BENCHMARK, argv), "hardware": hw, "machine_load": machine_load, "load_note": note,
+        "settings": {**run_settings(w, args), **res.pop("settings_extra")},
+        **res, "table": tbl, "printed": text,
+    }
+    png = out_dir / f"{name}.png"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot(res, title, png)
+    record["files"] = {"json": str(out_dir / f"{name}.json"), "png": str(png)}
+    return record
+
+
+def comparison_record(workloads: Sequence[Workload], records: Sequence[dict[str, Any]], args: argparse.Namespace,
+                      argv: Sequence[str] | None, out_dir: Path) -> dict[str, Any]:
+    """--compare-in-process: both sweeps' records under "sweeps" (by engine; each also written on its
+    own) and the table per K and engine, in one record named for both; the first sweep is the baseline."""
+    sweeps = {w.kind: rec for w, rec in zip(workloads, records, strict=True)}
+    baseline = workloads[0].kind
+    rows = analysis.side_by_side(sweeps, baseline)
+    text, tbl = analysis.side_by_side_report(sweeps, baseline, rows)
+    print(text, flush=True)
+    hw = records[-1]["hardware"]
+    name = result_name(workloads[-1], args, hw, kind=COMPARED_NAME)
+    return {**common.header(BENCHMARK, argv), "hardware": hw,
+            "settings": {**run_settings(workloads[-1], args), "engines": list(sweeps), "baseline": baseline},
+            "side_by_side": rows, "table": tbl, "printed": text, "sweeps": sweeps,
+            "files": {"json": str(out_dir / f"{name}.json")}}
+
+
+async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> list[dict[str, Any]]:
+    workloads = workloads_of(args)
     out_dir = Path(args.out)
-    outputs = []
-    for w in workloads:
-        load = common.MachineLoad()
-        with tempfile.TemporaryDirectory(prefix="tvs-") as tmp:
-            scratch = Path(args.keep_runs) / f"{w.kind}-{w.shape}" if args.keep_runs else Path(tmp)
-            res = await sweep(w, scratch)
-        hw = common.hardware()
-        machine_load = load.record()
-        note = common.load_note(machine_load, hw["cpu_affinity"])
-        name = result_name(w, args, hw)
-        title = f"{w.describe()} | B={args.batch_groups} x n={args.group_size}, {args.steps} steps | " \
-                f"{common.hardware_tag(hw)}"
-        text, tbl = analysis.report(res, title, args.batch_groups, w.learns, note)
-        print(text, flush=True)
-        record = {
-            **common.header(BENCHMARK, argv), "hardware": hw, "machine_load": machine_load, "load_note": note,
-            "settings": {"engine": args.engine, "shape": w.shape, "staleness": args.staleness_list,
-                         "steps": args.steps, "warmup_steps": args.warmup_steps, "batch_groups": args.batch_groups,
-                         "group_size": args.group_size, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                         "repeats": args.repeats, "quick": args.quick, "set": args.set_overrides,
-                         **res.pop("settings_extra")},
-            **res, "table": tbl, "printed": text,
-        }
-        png = out_dir / f"{name}.png"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        plot(res, title, png)
-        record["files"] = {"json": str(out_dir / f"{name}.json"), "png": str(png)}
-        common.write_json(out_dir / f"{name}.json", record)
-        print(f"wrote {out_dir / name}.json and .png", flush=True)
-        outputs.append(record)
-    return outputs
+    records = []
+    # one scratch root for the invocation: a later sweep replays what an earlier one's trainer published
+    with tempfile.TemporaryDirectory(prefix="tvs-") as tmp:
+        root = Path(args.keep_runs) if args.keep_runs else Path(tmp)
+        for w in workloads:
+            load = common.MachineLoad()
+            res = await sweep(w, root / f"{w.kind}-{w.shape}")
+            records.append(rec := sweep_record(w, res, load, args, argv, out_dir))
+            # kept as soon as it is done: a later sweep that fails (a server that does not start) loses nothing
+            common.write_json(Path(rec["files"]["json"]), rec)
+            print(f"wrote {rec['files']['json']} and .png", flush=True)
+    if not args.compare_in_process:
+        return records
+    rec = comparison_record(workloads, records, args, argv, out_dir)
+    common.write_json(Path(rec["files"]["json"]), rec)
+    print(f"wrote {rec['files']['json']}", flush=True)
+    return [rec]
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
@@ -368,8 +441,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     from pipeline.log import configure_logging
 
     configure_logging(None, "warning", console=True)  # the standalone measurements log like a run: quietly
-    if args.engine == "vllm" and (why := vllm_missing(args.engine_device, args.trainer_device)):
-        raise SystemExit(f"error: --engine vllm cannot run here: {why}")
+    if args.engine in VLLM_ENGINES and (why := vllm_missing(args.engine_device, args.trainer_device)):
+        raise SystemExit(f"error: --engine {args.engine} cannot run here: {why}")
     return common.run_async(main_async(args, argv))
 
 

@@ -497,3 +497,177 @@ def test_staleness_learning_pairs_seeds_across_arms(tmp_path: Path) -> None:
         diffs = [runs[(2, arm, s)]["final_eval"] - runs[(0, arm, s)]["final_eval"] for s in (0, 1)]
         assert data["table"][f"K2-{arm}"]["minus_K0"]["mean"] == pytest.approx(sum(diffs) / 2)
     assert "| 2 |" in proc.stdout and (tmp_path / next(tmp_path.glob("*.json")).name).exists()
+
+
+# --------------------------------------------------------------------------- --engine vllm_server
+
+
+def test_vllm_server_engine_takes_the_vllm_defaults_and_refuses_what_it_cannot_run(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    tvs = load("throughput_vs_staleness")
+    args = tvs.parse_args(["--engine", "vllm_server", "--compare-in-process"])
+    assert (args.steps, args.batch_groups, args.max_new_tokens, args.model_shape, args.lora_rank) == \
+        (12, 32, 128, "qwen2.5-0.5b", 16)
+    assert args.compare_in_process and not tvs.parse_args(["--engine", "vllm_server"]).compare_in_process
+    assert [w.kind for w in tvs.workloads_of(args)] == ["vllm", "vllm_server"]
+    assert [w.kind for w in tvs.workloads_of(tvs.parse_args(["--engine", "vllm_server"]))] == ["vllm_server"]
+    refused = {("--engine", "vllm", "--compare-in-process"):
+               "--compare-in-process compares --engine vllm_server with the in-process engine",
+               ("--engine", "vllm_server", "--update", "full"): "--engine vllm_server takes LoRA updates only"}
+    for argv, said in refused.items():
+        with pytest.raises(SystemExit):
+            tvs.parse_args(argv)
+        assert said in capsys.readouterr().err
+
+
+def test_vllm_server_sweep_refuses_clearly_without_vllm_or_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    tvs = load("throughput_vs_staleness")
+    if tvs.vllm_missing("cuda:0", "cuda:1") is None:
+        pytest.skip("vLLM and two GPUs are here: the refusal cannot be shown")
+
+    def past_the_refusal(args):
+        raise AssertionError("main went on to build the sweep without vLLM or GPUs")
+
+    monkeypatch.setattr(tvs, "workloads_of", past_the_refusal)
+    with pytest.raises(SystemExit, match="--engine vllm_server cannot run here: .*(vLLM|GPU|device)"):
+        tvs.main(["--engine", "vllm_server", "--compare-in-process", "--quick"])
+
+
+def test_side_by_side_has_a_row_per_k_and_engine_against_the_baseline_at_the_same_k() -> None:
+    analysis = load_part("analysis")
+
+    def run(K: int, groups_per_s: float, load_ms: float | None) -> dict:
+        return {"max_staleness": K, "groups_per_s": groups_per_s, "gen_kept_of_standalone": 0.9,
+                "gen_kept_of_standalone_same_depth": 0.8, "loop_lag_p99_ms": 2.0 + K,
+                "publish_to_loaded_ms_mean": 40.0, "publish_to_loaded_ms_max": 90.0,
+                "engine_load_ms_mean": load_ms, "engine_load_ms_max": load_ms}
+
+    st = {"gen_tokens_per_s": 1000.0, "groups": 32, "engine_start_s": 90.0, "t_train_s": 0.5}
+    sweeps = {"vllm": {"standalone": st, "results": [run(0, 2.0, 50.0), run(1, 4.0, 52.0)]},
+              "vllm_server": {"standalone": st, "results": [run(0, 3.0, 60.0), run(1, 5.0, 61.0), run(2, 6.0, None)]}}
+    rows = analysis.side_by_side(sweeps, "vllm")
+    assert [(r["max_staleness"], r["engine"]) for r in rows] == \
+        [(0, "vllm"), (0, "vllm_server"), (1, "vllm"), (1, "vllm_server"), (2, "vllm_server")]
+    assert [r["groups_per_s_over_baseline"] for r in rows] == [1.0, 1.5, 1.0, 1.25, None]  # no K=2 in process
+    assert rows[3]["loop_lag_p99_ms"] == 3.0 and rows[1]["engine_load_ms_mean"] == 60.0
+    text, tbl = analysis.side_by_side_report(sweeps, "vllm", rows)
+    assert tbl in text and "x vllm" in tbl.splitlines()[0] and "load ms" in tbl.splitlines()[0]
+    assert len(tbl.splitlines()) == 2 + len(rows)
+    # the engine's own loads, from a run's events: only adapter_loaded events with their seconds
+    events = [{"event": "adapter_loaded", "seconds": 0.05}, {"event": "adapter_loaded", "seconds": 0.07},
+              {"event": "adapter_loaded", "version": 3}, {"event": "adapter_unloaded", "seconds": 9.0}]
+    assert analysis.engine_loads(events) == pytest.approx(
+        {"engine_loads": 2, "engine_load_ms_mean": 60.0, "engine_load_ms_max": 70.0})
+    assert analysis.engine_loads([]) == {"engine_loads": 0, "engine_load_ms_mean": None, "engine_load_ms_max": None}
+
+
+class StandInServe:
+    """VLLMServeProcess's API over tests/vllm_server_stub.py serving the simulated engine (no vLLM, no GPU).
+
+    The stub runs on its own event loop in a thread, as a server runs apart from the pipeline's loop
+    (and a stop the sweep forgets fails the test instead of leaving the stub on the sweep's loop)."""
+
+    instances: list["StandInServe"] = []
+
+    def __init__(self, model_path, log_path, *, device, port, max_loras, extra, **kw) -> None:
+        self.model_path, self.log_path, self.port = model_path, Path(log_path), port
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = ["vllm", "serve", str(model_path), "--max-loras", str(max_loras), *extra]
+        self.started = self.stopped = 0
+        self.in_process_closed_at_start: list[int] = []
+        StandInServe.instances.append(self)
+
+    async def _serve(self) -> str:
+        from vllm_server_stub import VLLMServerStub
+
+        from pipeline.config import SimulatedEngineConfig
+        from pipeline.engines.simulated import SimulatedEngine
+
+        engine = SimulatedEngine(SimulatedEngineConfig(latency_s=0.002, completion_tokens=8), name="served")
+        self.stub = VLLMServerStub(engine, model_name=str(self.model_path), port=self.port)
+        return await self.stub.start()
+
+    async def start(self, timeout_s: float = 600.0) -> str:
+        import asyncio
+        import threading
+
+        self.in_process_closed_at_start = [e.closed for e in StandInVLLM.instances]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="stand-in-vllm-serve", daemon=True)
+        self.thread.start()
+        assert await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._serve(), self.loop)) == self.url
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)  # as the launcher makes it
+        self.log_path.write_text("stand-in for vllm serve\n")
+        self.started += 1
+        return self.url
+
+    async def stop(self) -> None:
+        import asyncio
+
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.stub.close(), self.loop))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        await asyncio.to_thread(self.thread.join)
+        self.loop.close()
+        self.stopped += 1
+
+
+def test_compare_in_process_sweeps_both_engines_into_one_json(tmp_path: Path, model_cache: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # the in-process sweep first (its engine closed before the server starts), then the server's
+    # through the real HTTP engine, replaying the trainer step the first timed; one JSON for both.
+    # At K = 2 the engine alone runs on 3 versions, one a copy of the replayed adapter published as
+    # v3, the name run K = 2 publishes again from its own store: left registered, it refuses that run
+    import pipeline.engines.vllm_serve
+
+    tvs = stand_in_sweep(monkeypatch)
+    StandInServe.instances.clear()
+    monkeypatch.setattr(pipeline.engines.vllm_serve, "VLLMServeProcess", StandInServe)
+    # the plumbing is under test, not the speeds: each run replays a 10 ms step, whatever this
+    # machine's trainer took, and the idle loop is timed for 0.1 s (1 s per sweep otherwise)
+    workloads = load_part("workloads")
+    time_trainer = workloads.time_trainer
+    monkeypatch.setattr(workloads, "time_trainer", lambda *a, **kw: {**time_trainer(*a, **kw), "t_train_step_s": 0.01})
+    idle_loop_lag = tvs.common.idle_loop_lag
+    monkeypatch.setattr(tvs.common, "idle_loop_lag", lambda seconds: idle_loop_lag(0.1))
+    argv = [*stand_in_argv(tmp_path, model_cache, "--trainer", "sim", "--keep-runs", str(tmp_path / "runs")),
+            "--steps", "5", "--warmup-steps", "1", "--staleness", "0,2"]
+    argv[argv.index("vllm")] = "vllm_server"
+    [rec] = tvs.main([*argv, "--compare-in-process"])
+    assert len(StandInVLLM.instances) == 1
+    [server] = StandInServe.instances
+    assert server.in_process_closed_at_start == [1] and (server.started, server.stopped) == (1, 1)
+    name = Path(rec["files"]["json"]).name
+    assert name.startswith("throughput_vs_staleness_vllm_server_vs_in_process_tiny_simtrainer_"), name
+    data = read_json(rec["files"]["json"])
+    assert list(data["sweeps"]) == ["vllm", "vllm_server"] and data["settings"]["baseline"] == "vllm"
+    vllm, served = data["sweeps"]["vllm"], data["sweeps"]["vllm_server"]
+    # each sweep's own pair, written as it ended, under the name a sweep of that engine alone gets
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == sorted(
+        Path(r["files"]["json"]).name for r in (rec, vllm, served))
+    assert [Path(r["files"]["json"]).name.split("_tiny_")[0] for r in (vllm, served)] == \
+        ["throughput_vs_staleness_vllm", "throughput_vs_staleness_vllm_server"]
+    assert all(Path(r["files"]["png"]).stat().st_size > 10_000 for r in (vllm, served))
+    # both replay the one trainer timing; the server has the in-process engine's adapter slots
+    assert served["settings"]["trainer_timed_in"] == "vllm" and vllm["settings"]["trainer_timed_in"] == "vllm"
+    assert served["settings"]["replayed_step_s"] == vllm["settings"]["replayed_step_s"] > 0
+    assert served["standalone"]["t_train_s"] == vllm["standalone"]["t_train_s"]
+    assert served["settings"]["max_loras"] == vllm["settings"]["max_loras"] == 2 + 2
+    flags = served["settings"]["server_argv"]
+    assert flags[flags.index("--max-cpu-loras") + 1] == "6" and served["standalone"]["gen_tokens_per_s"] > 0
+    assert served["standalone"]["standalone_by_depth"]["2"]["adapters"] == 3
+    for K in (0, 2):
+        cfg = tomllib.loads((tmp_path / "runs" / "vllm_server-tiny" / f"K{K}" / "config.toml").read_text())
+        assert cfg["engine"]["kind"] == "vllm_server" and cfg["engine"]["vllm_server"]["urls"] == [server.url]
+    for r in served["results"]:
+        assert r["accounting_ok"] and r["gen_kept_of_standalone"] > 0 and r["gen_kept_of_standalone_same_depth"] > 0
+        assert r["engine_loads"] >= 1 and r["engine_load_ms_mean"] > 0  # each registration POST, from events.jsonl
+    assert all(r["engine_loads"] == 0 for r in vllm["results"])  # the stand-in for vLLM logs no loads
+    rows = data["side_by_side"]
+    assert [(r["max_staleness"], r["engine"]) for r in rows] == [(0, "vllm"), (0, "vllm_server"), (2, "vllm"),
+                                                                 (2, "vllm_server")]
+    by = {(r["max_staleness"], r["engine"]): r for r in rows}
+    for i, K in enumerate((0, 2)):
+        assert by[K, "vllm"]["groups_per_s_over_baseline"] == 1.0
+        assert by[K, "vllm_server"]["groups_per_s_over_baseline"] == pytest.approx(
+            served["results"][i]["groups_per_s"] / vllm["results"][i]["groups_per_s"])
+    assert data["table"] in data["printed"] and "side by side: vllm, vllm_server" in data["printed"]

@@ -284,12 +284,14 @@ def _vllm_server_gpu(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
     """The HTTP engine against a real `vllm serve` of the "small" model on cuda:0 (eager, LoRA at run time)."""
     from pipeline.config import VLLMServerEngineConfig
     from pipeline.engines.vllm_server import VLLMServerEngine
+    from pipeline.engines.vllm_serve import VLLMServeProcess
     from pipeline.models import build_model
 
     model_path = build_model("small", tmp / "models")
-    server = VLLMServeProcess(model_path, tmp / "vllm-serve.log")
+    server = VLLMServeProcess(model_path, tmp / "vllm-serve.log", gpu_memory_utilization=0.3, enforce_eager=True,
+                              max_num_seqs=256, max_loras=4)
     try:
-        url = server.start()
+        url = loop.run_until_complete(server.start())
         engine = VLLMServerEngine(url, sampling=SamplingConfig(), cfg=VLLMServerEngineConfig(urls=(url,)),
                                   max_staleness=MAX_STALENESS, name="vllm-server-gpu-contract")
         loop.run_until_complete(engine.start())
@@ -299,68 +301,6 @@ def _vllm_server_gpu(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
         raise
     return Harness("vllm_server_gpu", loop, engine, adapters, long_tokens=1500,
                    recompute=Recomputer(model_path, adapters, "cuda:0"), server=server, closers=[server.stop])
-
-
-class VLLMServeProcess:
-    """`python -m vllm.entrypoints.openai.api_server` in a child process, with adapters loadable at run time."""
-
-    def __init__(self, model_path: Path, log_path: Path, *, port: int = 0, gpu_memory_utilization: float = 0.3,
-                 max_lora_rank: int = 16, extra: Sequence[str] = ()) -> None:
-        self.model_path, self.log_path = model_path, log_path
-        self.port = port or _free_port()
-        self.args = ["--model", str(model_path), "--port", str(self.port), "--host", "127.0.0.1",
-                     "--gpu-memory-utilization", str(gpu_memory_utilization), "--enforce-eager",
-                     "--max-model-len", "2048", "--max-num-seqs", "256", "--enable-lora",
-                     "--max-lora-rank", str(max_lora_rank), "--max-loras", "4", *extra]
-        self.proc: Any = None
-
-    def start(self, timeout_s: float = 600.0) -> str:
-        """Start the server and wait until /health answers; its URL."""
-        import os
-        import subprocess
-        import sys
-        import time
-        import urllib.request
-
-        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "CUDA_VISIBLE_DEVICES":
-               os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *self.args],
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; its log: {self.log_path}:\n"
-                                   + self.log_path.read_text(errors="replace")[-3000:])
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return url
-            except OSError:  # not listening yet
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"vllm serve did not answer /health within {timeout_s} s; its log: {self.log_path}")
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                await asyncio.to_thread(self.proc.wait, 60)
-            except Exception:  # did not stop on SIGTERM: nothing left to be polite about
-                self.proc.kill()
-                await asyncio.to_thread(self.proc.wait)
-        if getattr(self, "_log", None) is not None:
-            self._log.close()
-            self._log = None
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 BUILDERS: dict[str, Callable[[asyncio.AbstractEventLoop, Path], Harness]] = {

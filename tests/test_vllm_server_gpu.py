@@ -13,9 +13,10 @@ import os
 from pathlib import Path
 
 import pytest
-from test_engine_contract import VLLM_MEAN_ABS_DLOGPROB, VLLM_WARNING_FILTERS, VLLMServeProcess, vllm_unavailable
+from test_engine_contract import VLLM_MEAN_ABS_DLOGPROB, VLLM_WARNING_FILTERS, vllm_unavailable
 
 from pipeline.config_io import load_config
+from pipeline.engines.vllm_serve import VLLMServeProcess
 from pipeline.metrics import read_jsonl
 from pipeline.orchestrator import Pipeline
 from pipeline.rollout_log import read_rollouts
@@ -33,8 +34,9 @@ def test_a_run_trains_on_a_vllm_server(tmp_path: Path) -> None:
     from pipeline.models import build_model
 
     model_path = build_model("small", tmp_path / "models")
-    server = VLLMServeProcess(model_path, tmp_path / "vllm-serve.log")
-    url = server.start()
+    server = VLLMServeProcess(model_path, tmp_path / "vllm-serve.log", gpu_memory_utilization=0.3,
+                              enforce_eager=True, max_num_seqs=256, max_loras=4)
+    url = asyncio.run(server.start())
     two = torch.cuda.device_count() >= 2
     out = tmp_path / "run"
     cfg = load_config(None, {

@@ -9,17 +9,22 @@ writes no file. Figures and how they are taken (the script's docstring says the 
 - Generator idle: every second of the window in which no engine had work is put down to exactly
   one of: started but not running, admitted but not started, nothing admitted.
 - Depth: groups the engines held per second of holding any; the staleness bound caps it at (K + 1) * B.
+- Engine loads: the `seconds` of the run's `adapter_loaded` events (events.jsonl), each engine's
+  own load of a version (vLLM's add_lora; a server's registration POST), apart from
+  publish-to-loaded, which also holds the manifest check and the wait for every engine.
+- Side by side (sweeps of two engines in one invocation): per K and engine, the figures above,
+  and groups/s over the baseline engine's at the same K.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 import common  # benchmarks/common.py: benchmarks/ is on sys.path, as the sweep script puts it
 
-from pipeline.metrics import BusyMeter
+from pipeline.metrics import BusyMeter, read_jsonl
 from pipeline.orchestrator import Pipeline
 from pipeline.rollout_log import read_rollouts
 
@@ -153,11 +158,20 @@ def run_figures(p: Pipeline, K: int, warmup: int, learns: bool, group_size: int,
         "drain_ms_mean": 1000.0 * s["drain_s_mean"] if s["drain_s_mean"] is not None else None,
         "groups_dropped": s["groups_dropped"], "groups_failed": s["groups_failed"],
         "accounting_ok": s["accounting_ok"], "torch_threads": torch_threads,
+        **engine_loads(read_jsonl(p.run_dir / "events.jsonl")),
     })
     if learns:
         out.update({"reward_final": float(np.mean(rewards[-tail:])), "reward_mean": float(np.mean(rewards)),
                     "reward_curve": rewards, "samples": s["groups_trained"] * group_size})
     return out
+
+
+def engine_loads(events: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The engines' own adapter loads in a run's events: how many logged their seconds, mean and max ms."""
+    ms = np.asarray([1000.0 * e["seconds"] for e in events if e.get("event") == "adapter_loaded" and "seconds" in e],
+                    dtype=np.float64)
+    return {"engine_loads": int(ms.size), "engine_load_ms_mean": float(ms.mean()) if ms.size else None,
+            "engine_load_ms_max": float(ms.max()) if ms.size else None}
 
 
 # ====================================================================== the sweep against its baselines
@@ -265,3 +279,43 @@ def report(res: dict[str, Any], title: str, batch_groups: int, learns: bool, not
         lines.append(f"note: {note}")
     text = "\n".join(lines)
     return text, tbl
+
+
+# ====================================================================== two engines side by side
+
+COMPARED = ("groups_per_s", "gen_kept_of_standalone", "gen_kept_of_standalone_same_depth", "loop_lag_p99_ms",
+            "publish_to_loaded_ms_mean", "publish_to_loaded_ms_max", "engine_load_ms_mean", "engine_load_ms_max")
+
+
+def side_by_side(sweeps: Mapping[str, Mapping[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """One row per K and engine (engines in the sweeps' order): the COMPARED figures of its run, and
+    its groups/s over `baseline`'s run at the same K (None where the baseline has no such run)."""
+    runs = {engine: {r["max_staleness"]: r for r in res["results"]} for engine, res in sweeps.items()}
+    rows = []
+    for K in sorted({K for by_k in runs.values() for K in by_k}):
+        base = runs[baseline].get(K)
+        for engine, by_k in runs.items():
+            if (r := by_k.get(K)) is None:
+                continue
+            rows.append({"max_staleness": K, "engine": engine, **{key: r[key] for key in COMPARED},
+                         "groups_per_s_over_baseline": r["groups_per_s"] / base["groups_per_s"] if base else None})
+    return rows
+
+
+def side_by_side_report(sweeps: Mapping[str, Mapping[str, Any]], baseline: str,
+                        rows: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """The printed comparison and its table: each engine alone, then the runs per K and engine."""
+    lines = [f"side by side: {', '.join(sweeps)} in one invocation, one after the other on the same hardware"]
+    for engine, res in sweeps.items():
+        st = res["standalone"]
+        lines.append(f"{engine}: alone {st['gen_tokens_per_s']:.0f} tokens/s ({st['groups']} groups at once), "
+                     f"started in {st['engine_start_s']:.1f} s; t_train {st['t_train_s']:.4f} s")
+    tbl = common.table(
+        ["K", "engine", "groups/s", f"x {baseline}", "gen kept", "kept same depth", "lag p99 ms", "pub->load ms",
+         "pub->load max", "load ms", "load max"],
+        [[r["max_staleness"], r["engine"], r["groups_per_s"], r["groups_per_s_over_baseline"],
+          *(r[key] for key in COMPARED[1:])] for r in rows])
+    lines += [tbl, "gen kept: tokens per busy second over the engine's own standalone rate (one batch; at the run's "
+                   "depth); pub->load: publish until every engine serves the version; load: the engine's own load "
+                   "of it (in process: vLLM's add_lora; server: its POST /v1/load_lora_adapter)"]
+    return "\n".join(lines), tbl

@@ -10,7 +10,9 @@ the sweep (the standalone rates the analysis compares the runs with). Invariants
 SimWorkload: the simulated engine (B groups at once, each gen_ratio x the trainer's step) and
 the sleeping trainer. ModelWorkload: a built-in model on the char_class task with the LoRA
 trainer (or ReplayTrainer, --trainer sim); TransformersWorkload runs it on the CPU,
-VLLMWorkload on one vLLM engine started once for the whole sweep.
+VLLMWorkload on one vLLM engine started once for the whole sweep, VLLMServerWorkload on one
+`vllm serve` started once (with the in-process engine's settings) and one HTTP engine on it.
+The engine alone is measured by the same client code for every engine (`engine_alone`).
 """
 
 from __future__ import annotations
@@ -57,13 +59,33 @@ def vllm_missing(engine_device: str, trainer_device: str) -> str | None:
 
 
 async def sample_batch(engine: Any, prompts: Sequence[Prompt], n: int, max_new_tokens: int,
-                       adapter: AdapterRef | None = None) -> tuple[float, list[Generation]]:
-    """Submit one group per prompt at once; seconds until the last finishes, and the generations."""
-    adapter = adapter or AdapterRef.base()
+                       adapters: Sequence[AdapterRef] = ()) -> tuple[float, list[Generation]]:
+    """Submit one group per prompt at once, group i on adapters[i % len(adapters)] (the base model
+    without adapters); seconds until the last finishes, and the generations."""
+    on = list(adapters) or [AdapterRef.base()]
     t0 = time.perf_counter()
-    gens = await asyncio.gather(*(engine.generate(GroupRequest(STANDALONE_IDS + i, p, n, max_new_tokens), adapter)
-                                  for i, p in enumerate(prompts)))
+    tasks = [asyncio.ensure_future(engine.generate(GroupRequest(STANDALONE_IDS + i, p, n, max_new_tokens),
+                                                   on[i % len(on)])) for i, p in enumerate(prompts)]
+    try:
+        gens = await asyncio.gather(*tasks)
+    except BaseException:  # one group failed (or the caller cancelled): the others stop too
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     return time.perf_counter() - t0, list(gens)
+
+
+async def engine_alone(engine: Any, prompts: Sequence[Prompt], n: int, max_new_tokens: int,
+                       adapters: Sequence[AdapterRef] = ()) -> dict[str, float]:
+    """The engine alone on one group per prompt, all at once, round-robin over `adapters` (loaded
+    first, not timed): {"groups", "tokens", "seconds", "tokens_per_s"}. The same client code times
+    every engine, in process or behind HTTP, so their rates compare."""
+    for adapter in adapters:
+        await engine.load_adapter(adapter)
+    seconds, gens = await sample_batch(engine, prompts, n, max_new_tokens, adapters)
+    tokens = sum(g.num_tokens for g in gens)
+    return {"groups": len(gens), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def time_trainer(trainer: Any, groups: Sequence[RolloutGroup], store_root: Path, repeats: int,
@@ -160,7 +182,9 @@ class Workload:
     def pipeline_kwargs(self) -> dict[str, Any]:
         return {}
 
-    async def prepare(self) -> None:
+    async def prepare(self, scratch: Path) -> None:
+        """Build what every run shares (a model, an engine) before the standalone measurements;
+        `scratch` is the sweep's directory for what it writes (a server's log)."""
         return None
 
     async def standalone(self, scratch: Path) -> dict[str, Any]:
@@ -263,10 +287,17 @@ class SimWorkload(Workload):
 
 
 class ModelWorkload(Workload):
-    """A real engine and the LoRA trainer (or, with --trainer sim, its replay) on the built-in char_class task."""
+    """A real engine and the LoRA trainer (or, with --trainer sim, its replay) on the built-in char_class task.
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    trainer_from: another workload of this invocation, swept before this one on the same trainer
+    device, whose trainer timing (step time, adapters) this one takes instead of timing the
+    trainer again: two engines compared side by side then replay the same step."""
+
+    def __init__(self, args: argparse.Namespace, trainer_from: ModelWorkload | None = None) -> None:
         super().__init__(args)
+        self.trainer_from = trainer_from
+        self.trainer_timing: dict[str, Any] | None = None  # what time_lora_trainer measured or took
+        self.trainer_timed_in: str | None = None  # the kind of the workload that timed it
         self.model_path: Path | None = None
         self.tokenizer: Any = None
         self.store_root: Path | None = None  # the versions the real trainer published while it was timed
@@ -279,7 +310,7 @@ class ModelWorkload(Workload):
         log-prob check (it hands the engine's log-probs back) is a figure."""
         return self.args.trainer == "peft"
 
-    async def prepare(self) -> None:
+    async def prepare(self, scratch: Path) -> None:
         from pipeline.models import build_model, load_tokenizer
 
         self.model_path = await asyncio.to_thread(build_model, self.args.model_shape, self.args.model_cache, 0)
@@ -309,7 +340,8 @@ class ModelWorkload(Workload):
                 "target_modules": list(cfg.trainer.target_modules), "loss": cfg.loss.correction,
                 "trainer_device": cfg.trainer.device, "trainer_dtype": cfg.trainer.dtype,
                 "trainer": self.args.trainer,
-                "replayed_step_s": self.replay_step_s if self.args.trainer == "sim" else None}
+                "replayed_step_s": self.replay_step_s if self.args.trainer == "sim" else None,
+                "trainer_timed_in": self.trainer_timed_in}
 
     def describe(self) -> str:
         a = self.args
@@ -344,6 +376,10 @@ class ModelWorkload(Workload):
         return groups
 
     async def time_lora_trainer(self, groups: list[RolloutGroup], scratch: Path) -> dict[str, Any]:
+        if (src := self.trainer_from) is not None and src.trainer_timing is not None:
+            self.store_root, self.template, self.replay_step_s = src.store_root, src.template, src.replay_step_s
+            self.trainer_timing, self.trainer_timed_in = src.trainer_timing, src.trainer_timed_in
+            return dict(src.trainer_timing)
         from pipeline.trainer import LoRATrainer
 
         cfg = self.config(0, scratch / "cfg")
@@ -358,6 +394,7 @@ class ModelWorkload(Workload):
             free_memory()
         self.template = Path(AdapterStore(self.store_root, kind=self.args.update).latest().path)
         self.replay_step_s = tr["t_train_step_s"]
+        self.trainer_timing, self.trainer_timed_in = tr, self.kind
         return tr
 
 
@@ -404,43 +441,58 @@ class VLLMWorkload(ModelWorkload):
 
     kind = "vllm"
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        super().__init__(args)
+    def __init__(self, args: argparse.Namespace, trainer_from: ModelWorkload | None = None) -> None:
+        super().__init__(args, trainer_from)
         self.engine: Any = None
+        self.engine_start_s: float | None = None
+        self.max_loras: int | None = None  # adapters the engine keeps on the GPU, once it is built
 
     def overrides(self, K: int, run_dir: Path) -> dict[str, Any]:
         a = self.args
         o = super().overrides(K, run_dir)
-        o.update({"engine.kind": "vllm", "engine.devices": [a.engine_device], "trainer.device": a.trainer_device,
-                  "trainer.dtype": a.trainer_dtype, "model.dtype": "bfloat16",
+        o.update({"trainer.device": a.trainer_device, "trainer.dtype": a.trainer_dtype, "model.dtype": "bfloat16",
                   "engine.vllm.gpu_memory_utilization": a.gpu_memory_utilization,
                   "engine.vllm.max_model_len": a.max_model_len, "engine.vllm.enforce_eager": a.enforce_eager,
-                  "engine.vllm.max_lora_rank": a.lora_rank, "engine.vllm.seed": a.seed})
+                  "engine.vllm.max_lora_rank": a.lora_rank, "engine.vllm.seed": a.seed, **self.engine_overrides()})
         if a.max_num_seqs is not None:
             o["engine.vllm.max_num_seqs"] = a.max_num_seqs
         return o
 
-    def settings(self) -> dict[str, Any]:
-        a = self.args
-        return {**super().settings(), "engine_device": a.engine_device, "gpu_memory_utilization":
-                a.gpu_memory_utilization, "max_model_len": a.max_model_len, "enforce_eager": a.enforce_eager,
-                "max_num_seqs": self.config(0, Path("unused")).engine.vllm.max_num_seqs,
-                "max_loras": getattr(self.engine, "max_loras", None)}
+    def engine_overrides(self) -> dict[str, Any]:
+        """engine.kind and where the engine runs: what each run's config records of the engine it is handed."""
+        return {"engine.kind": "vllm", "engine.devices": [self.args.engine_device]}
 
-    async def prepare(self) -> None:
+    def settings(self) -> dict[str, Any]:
+        v = self.config(0, Path("unused")).engine.vllm
+        return {**super().settings(), "engine_device": self.args.engine_device,
+                "gpu_memory_utilization": v.gpu_memory_utilization, "max_model_len": v.max_model_len,
+                "enforce_eager": v.enforce_eager, "max_num_seqs": v.max_num_seqs, "max_loras": self.max_loras}
+
+    async def prepare(self, scratch: Path) -> None:
+        await super().prepare(scratch)
+        t0 = time.perf_counter()
+        await self.start_engine(scratch)
+        self.engine_start_s = time.perf_counter() - t0
+        print(f"{self.kind} started on {self.args.engine_device} in {self.engine_start_s:.1f} s", flush=True)
+
+    async def start_engine(self, scratch: Path) -> None:
+        """Build and start `self.engine`, sized for the sweep's largest K (`self.engine` is set before
+        it starts, so `close()` ends a start that failed half way)."""
         from pipeline.engines.vllm import VLLMEngine
 
-        await super().prepare()
         a = self.args
-        cfg = self.config(max(a.staleness_list), Path("unused"))
+        K = max(a.staleness_list)
+        cfg = self.config(K, Path("unused"))
         # max_staleness sizes the adapters the engine keeps: the largest K of the sweep serves them all
         self.engine = VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=a.engine_device,
-                                 max_staleness=max(a.staleness_list), name="vllm-0", seed=cfg.engine.vllm.seed,
+                                 max_staleness=K, name="vllm-0", seed=cfg.engine.vllm.seed,
                                  full_weights=a.update == "full")
-        t0 = time.perf_counter()
+        self.max_loras = self.engine.max_loras
         await self.engine.start()
-        self.engine_start_s = time.perf_counter() - t0
-        print(f"vLLM started on {a.engine_device} in {self.engine_start_s:.1f} s", flush=True)
+
+    def engine_facts(self) -> dict[str, Any]:
+        """What the started engine says of itself, for the standalone record."""
+        return {"graph_batch_max": self.engine.graph_batch_max}
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         return {**super().pipeline_kwargs(), "engines": [self.engine]}
@@ -453,14 +505,13 @@ class VLLMWorkload(ModelWorkload):
         _, gens = await sample_batch(self.engine, prompts[: a.batch_groups], a.group_size, a.max_new_tokens)
         runs = []
         for _ in range(a.repeats):
-            runs.append(await self.engine.standalone_throughput([list(p.token_ids) for p in prompts[:G]],
-                                                                a.group_size, a.max_new_tokens))
+            runs.append(await engine_alone(self.engine, prompts[:G], a.group_size, a.max_new_tokens))
         tr = await self.time_lora_trainer(self.score(gens), scratch)
         seconds = statistics.median(r["seconds"] for r in runs)
         return {"t_gen_s": seconds * a.batch_groups / G, "t_gen_all_s": [r["seconds"] for r in runs],
                 "gen_tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                 "gen_tokens_per_s_all": [r["tokens_per_s"] for r in runs], "groups": G,
-                "engine_start_s": self.engine_start_s, "graph_batch_max": self.engine.graph_batch_max, **tr}
+                "engine_start_s": self.engine_start_s, **self.engine_facts(), **tr}
 
     async def alone_at_depth(self, K: int) -> dict[str, Any]:
         """The engine alone under the load the pipeline gives it at max_staleness K, just before that run.
@@ -472,13 +523,12 @@ class VLLMWorkload(ModelWorkload):
         run: this engine's rate drifts by 10-20% over minutes, more than the gap being measured."""
         a = self.args
         n = (K + 1) * a.batch_groups
-        prompts = [list(p.token_ids) for p in self.task_prompts(n)]
+        prompts = self.task_prompts(n)
         adapters = await asyncio.to_thread(self.versions_for_depth, K + 1) if a.update == "lora" else []
         runs = []
         try:
             for _ in range(a.repeats):
-                runs.append(await self.engine.standalone_throughput(prompts, a.group_size, a.max_new_tokens,
-                                                                    adapters=adapters))
+                runs.append(await engine_alone(self.engine, prompts, a.group_size, a.max_new_tokens, adapters))
         finally:
             await self.after_run()  # the run starts from the base model, as every run does
         rates = [r["tokens_per_s"] for r in runs]
@@ -510,3 +560,79 @@ class VLLMWorkload(ModelWorkload):
     async def close(self) -> None:
         if self.engine is not None:
             await self.engine.close()
+
+
+class VLLMServerWorkload(VLLMWorkload):
+    """One `vllm serve` on --engine-device, started once, and one HTTP engine on it passed to every Pipeline.
+
+    The server gets the in-process engine's settings (engine.vllm.*, kept in every run's config as
+    the record of them) and its adapter slots: max_loras = max_staleness + 2 at the sweep's largest
+    K (engine.vllm.max_loras if set), max_cpu_loras two more, and the same log-prob mode, CUDA
+    graph sizes, prefix caching and seed. A side-by-side sweep then compares where the engine runs,
+    not how it is set up. The engine registers at most max_staleness + 2 adapters at once (its
+    default bound), so the server's slots hold every version a run has in use."""
+
+    kind = "vllm_server"
+
+    def __init__(self, args: argparse.Namespace, trainer_from: ModelWorkload | None = None) -> None:
+        super().__init__(args, trainer_from)
+        self.server: Any = None  # pipeline.engines.vllm_serve.VLLMServeProcess, once prepared
+        self.url = ""  # the server's, chosen by prepare()
+
+    def engine_overrides(self) -> dict[str, Any]:
+        return {"engine.kind": "vllm_server", "engine.vllm_server.urls": [self.url]}
+
+    def settings(self) -> dict[str, Any]:
+        return {**super().settings(), "server_url": self.url,
+                "server_argv": self.server.argv if self.server is not None else None,
+                "max_loaded_adapters": self.engine.max_loaded if self.engine is not None else None}
+
+    def describe(self) -> str:
+        return super().describe() + ", over HTTP to `vllm serve`"
+
+    async def start_engine(self, scratch: Path) -> None:
+        from pipeline.engines.vllm_serve import VLLMServeProcess, free_port
+        from pipeline.engines.vllm_server import VLLMServerEngine
+
+        a = self.args
+        K = max(a.staleness_list)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"  # before the config: every run's names the server
+        cfg = self.config(K, Path("unused"))
+        v = cfg.engine.vllm
+        self.max_loras = v.max_loras or K + 2
+        on_policy = not cfg.sampling.off_policy_settings()  # as VLLMEngine picks its log-prob mode
+        self.server = VLLMServeProcess(
+            self.model_path, scratch / "vllm-serve.log", device=a.engine_device, port=port,
+            gpu_memory_utilization=v.gpu_memory_utilization, max_model_len=v.max_model_len,
+            max_num_seqs=v.max_num_seqs, max_lora_rank=v.max_lora_rank, max_loras=self.max_loras,
+            enforce_eager=v.enforce_eager,
+            extra=["--dtype", v.dtype, "--seed", str(v.seed), "--max-cpu-loras", str(self.max_loras + 2),
+                   "--max-cudagraph-capture-size", str(v.max_cudagraph_capture_size or v.max_num_seqs),
+                   "--logprobs-mode", "raw_logprobs" if on_policy else "processed_logprobs",
+                   "--enable-prefix-caching", "--disable-log-stats", "--disable-uvicorn-access-log"])
+        await self.server.start()
+        self.engine = VLLMServerEngine(self.url, sampling=cfg.sampling, cfg=cfg.engine.vllm_server, max_staleness=K,
+                                       name="vllm-server-0")
+        await self.engine.start()
+
+    def engine_facts(self) -> dict[str, Any]:
+        return {"server_log": str(self.server.log_path)}  # its CUDA graph sizes are in there
+
+    async def after_run(self) -> None:
+        """Leave no adapter of the finished run registered, so every run starts from the base model alone.
+
+        The Pipeline unregisters its versions at its end and alone_at_depth's go here; one still
+        registered (an unregistration that failed) would refuse the next run's same-named version
+        from another directory (see VLLMWorkload.after_run). The engine lists versions, not names:
+        a restart of the engine object unregisters all it holds and leaves the server up."""
+        if self.engine.loaded_versions:
+            await self.engine.close()
+            await self.engine.start()
+
+    async def close(self) -> None:
+        try:
+            await super().close()  # the engine: its requests end, its adapters are unregistered
+        finally:
+            if self.server is not None:
+                await self.server.stop()
