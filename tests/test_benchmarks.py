@@ -671,3 +671,43 @@ def test_compare_in_process_sweeps_both_engines_into_one_json(tmp_path: Path, mo
         assert by[K, "vllm_server"]["groups_per_s_over_baseline"] == pytest.approx(
             served["results"][i]["groups_per_s"] / vllm["results"][i]["groups_per_s"])
     assert data["table"] in data["printed"] and "side by side: vllm, vllm_server" in data["printed"]
+
+
+def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/setup_time.py: every run gets the same scratch caches (the first finds them empty),
+    and a row from its summary.json; a run that fails stops the benchmark with its output."""
+    st = load("setup_time")
+    calls: list[tuple[list[str], dict]] = []
+    real_run = subprocess.run
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        if not str(cmd[1]).endswith("run.py"):  # what else asks the system (nvidia-smi, say)
+            return real_run(cmd, **kw)
+        env = kw["env"]
+        calls.append((cmd, env))
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        first = len(calls) == 1
+        (out / "summary.json").write_text(json.dumps({
+            "setup_s": 9.0 if first else 4.0, "wall_s": 1.0, "steps": 2, "groups_per_s": 3.0, "error": None,
+            "setup": {"data_s": 0.1, "model_s": 5.0 if first else 1.0, "engines_start_s": 2.0, "trainer_start_s": 3.0}}))
+        return subprocess.CompletedProcess(cmd, 0, stdout="ready\n", stderr="")
+
+    monkeypatch.setattr(st.subprocess, "run", fake_run)
+    rec = st.main(["--steps", "2", "--warm", "2", "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
+    assert [r["cache"] for r in rec["runs"]] == ["cold", "warm", "warm"]
+    assert [r["model_s"] for r in rec["runs"]] == [5.0, 1.0, 1.0] and rec["runs"][0]["setup_s"] == 9.0
+    caches = {(env["VLLM_CACHE_ROOT"], env["TORCHINDUCTOR_CACHE_DIR"], cmd[cmd.index("--set") + 1])
+              for cmd, env in calls}
+    assert len(caches) == 1 and str(tmp_path / "scratch") in caches.pop()[0]  # one set of caches for all runs
+    assert all(cmd[cmd.index("--steps") + 1] == "2" for cmd, _ in calls)
+    assert Path(rec["files"]["json"]).name.startswith("setup_time_cpu_default_")
+
+    def failing(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        if not str(cmd[1]).endswith("run.py"):
+            return real_run(cmd, **kw)
+        return subprocess.CompletedProcess(cmd, 2, stdout="", stderr="error: model.path does not exist")
+
+    monkeypatch.setattr(st.subprocess, "run", failing)
+    with pytest.raises(SystemExit, match="model.path does not exist"):
+        st.main(["--warm", "0", "--scratch", str(tmp_path / "other"), "--out", str(tmp_path)])
