@@ -145,16 +145,22 @@ def load_tokenizer(cfg: RunConfig, model_path: str | None) -> Any:
                           f"{type(e).__name__}: {e}") from e
 
 
-def max_context(model_path: str | None) -> int | None:
-    """The longest prompt + completion the model takes (its max_position_embeddings), if it says;
-    each engine reports its own limit besides (`Engine.max_context`)."""
+def model_config_value(model_path: str | None, key: str) -> Any:
+    """`key` of the model's config.json; None without a model, a readable config.json or the key."""
     if model_path is None:
         return None
     try:
         conf = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):  # a model without a readable config.json gets no length check
+    except (OSError, ValueError):
         return None
-    return conf.get("max_position_embeddings")
+    return conf.get(key) if isinstance(conf, dict) else None
+
+
+def max_context(model_path: str | None) -> int | None:
+    """The longest prompt + completion the model takes (its max_position_embeddings), if it says
+    (a model without a readable config.json gets no length check); each engine reports its own
+    limit besides (`Engine.max_context`)."""
+    return model_config_value(model_path, "max_position_embeddings")
 
 
 def prompt_builder(cfg: RunConfig, tokenizer: Any, model_path: str | None, engines: Sequence[Engine]) -> Any:
@@ -240,10 +246,7 @@ def build_trainer(cfg: RunConfig, model_path: str | None, process: Any = None) -
 
 def _hidden_size(model_path: str | None) -> int | None:
     """The model's width from its config.json (None when it says none or cannot be read)."""
-    try:
-        value = json.loads((Path(model_path or "") / "config.json").read_text()).get("hidden_size")
-    except (OSError, ValueError, AttributeError):
-        return None
+    value = model_config_value(model_path, "hidden_size")
     return value if isinstance(value, int) else None
 
 

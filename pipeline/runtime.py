@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import signal
 import sys
 from typing import Any, Callable
@@ -22,6 +21,7 @@ import structlog
 
 from pipeline.buffer import BufferClosed
 from pipeline.config import RunConfig
+from pipeline.devices import cpu_cores
 
 log = structlog.get_logger(__name__)
 
@@ -71,7 +71,7 @@ class Runtime:
             import torch
 
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+            torch.set_num_threads(max(1, cpu_cores() // 2))  # trainer_threads gives a trainer process the rest
 
     def enter(self, on_signal: Callable[[signal.Signals], None] | None) -> None:
         """The run's settings: signal handlers (if `on_signal`), switch interval and collector."""
