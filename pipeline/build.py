@@ -35,7 +35,9 @@ def check_devices(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool)
     named: list[tuple[str, str]] = []
     if builds_engines and cfg.engine.kind in ("transformers", "vllm"):
         named += [(f"engine.devices[{i}]", d) for i, d in enumerate(cfg.engine.devices)]
-    if builds_trainer and cfg.trainer.kind == "peft":
+    if builds_trainer and cfg.trainer.kind == "peft" and cfg.trainer.devices:
+        named += [(f"trainer.devices[{i}]", d) for i, d in enumerate(cfg.trainer.devices)]
+    elif builds_trainer and cfg.trainer.kind == "peft":
         named.append(("trainer.device", cfg.trainer.device))
     check_cuda_devices(named)
 
@@ -114,7 +116,7 @@ def model_and_tokenizer(cfg: RunConfig, tokenizer: Any, *, engines: bool, traine
 def init_cuda(cfg: RunConfig) -> None:
     """Initialise CUDA here, seeing every GPU, before a vLLM engine narrows CUDA_VISIBLE_DEVICES to
     its own GPU while it starts (the trainer loads in a thread meanwhile)."""
-    if any(d.startswith("cuda") for d in (*cfg.engine.devices, cfg.trainer.device)):
+    if any(d.startswith("cuda") for d in (*cfg.engine.devices, *cfg.trainer.rank_devices)):
         import torch
 
         torch.cuda.init()
@@ -216,6 +218,10 @@ def early_trainer_process(cfg: RunConfig) -> Any:
     (None where the trainer runs in this process or is simulated)."""
     if cfg.trainer.kind == "simulated" or not cfg.trainer.separate_process:
         return None
+    if cfg.trainer.devices:  # rank 0's; the other ranks start at setup
+        from pipeline.trainer_ranks import early_process
+
+        return early_process(cfg.trainer)
     from pipeline.trainer_process import TrainerProcess
 
     return TrainerProcess(cfg.trainer)
@@ -231,15 +237,20 @@ def build_trainer(cfg: RunConfig, model_path: str | None, process: Any = None) -
     from pipeline.trainer import LoRATrainer
     from pipeline.trainer_process import ProcessTrainer
 
+    from pipeline.trainer_ranks import RankedTrainer
+
     tc = cfg.trainer
-    if tc.separate_process and tc.device == "cpu":  # its own process: its own thread count (devices.py)
+    if tc.separate_process and tc.rank_devices[0] == "cpu":  # its own process: its own thread count (devices.py)
         engine_on_cpu = cfg.engine.kind == "transformers" and "cpu" in cfg.engine.devices
-        tc = replace(tc, threads=trainer_threads(tc.threads, max_staleness=cfg.pipeline.max_staleness,
-                                                 engine_on_cpu=engine_on_cpu, hidden_size=_hidden_size(model_path)))
-    cls = ProcessTrainer if tc.separate_process else LoRATrainer
+        threads = trainer_threads(tc.threads, max_staleness=cfg.pipeline.max_staleness, engine_on_cpu=engine_on_cpu,
+                                  hidden_size=_hidden_size(model_path))
+        if tc.devices and not tc.threads:  # the trainer's share of the cores, split between its ranks
+            threads = max(1, threads // len(tc.devices))
+        tc = replace(tc, threads=threads)
+    cls = RankedTrainer if tc.devices else ProcessTrainer if tc.separate_process else LoRATrainer
     # aggregation = "constant" divides by sequences x norm_tokens; 0 there means the completion cap
     loss = replace(cfg.loss, norm_tokens=cfg.loss.norm_tokens or cfg.sampling.max_new_tokens)
-    kwargs = {"process": process} if cls is ProcessTrainer else {}
+    kwargs = {"process": process} if cls is not LoRATrainer else {}
     return cls(model_path, tc, loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
                keep_versions=cfg.pipeline.max_staleness + 2, deterministic=cfg.deterministic, **kwargs)
 

@@ -367,6 +367,7 @@ class TrainerConfig:
     kind: Literal["peft", "simulated"] = "peft"  # simulated: a trainer that only waits (benchmarks)
     update: Literal["lora", "full"] = "lora"  # publish a LoRA adapter per version, or the full weights (lora_* unused)
     device: str = "cpu"  # "cpu" or "cuda:N"
+    devices: tuple[str, ...] = ()  # trainer ranks, one process each, FSDP2 over torch.distributed (gloo on "cpu", NCCL on "cuda:N"); empty = trainer.device alone
     lr: float = 1e-2  # for the CPU demo's tiny random model; real models want ~1e-5 to 1e-4
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: tuple[float, ...] = (0.9, 0.99)  # AdamW betas
@@ -381,14 +382,30 @@ class TrainerConfig:
     separate_process: bool = True  # train in a child process, so steps never hold the event loop's GIL
     nice: int = 10  # niceness of that process (0-19): when cores are short, the event loop and engines go first
     sched_idle: bool = False  # on the CPU, run that process under Linux SCHED_IDLE: less loop lag, less throughput (docs/results.md)
-    threads: int = 0  # that process's torch threads on the CPU; 0 = where they pay (docs/benchmarks.md#threads)
+    threads: int = 0  # that process's (each rank's) torch threads on the CPU; 0 = where they pay (docs/benchmarks.md#threads)
     max_consecutive_skips: int = 3  # this many non-finite steps in a row stop the run (after a checkpoint)
     step_timeout_s: float = 3600.0  # a training step or publish that takes longer is an error
     minibatches: int = 1  # optimizer steps per batch per epoch (the batch split in this many parts); > 1 makes ppo's clip act
     epochs: int = 1  # passes over the batch per step; minibatches x epochs optimizer steps publish one version
 
+    @property
+    def rank_devices(self) -> tuple[str, ...]:
+        """The device of each trainer process: trainer.devices, or trainer.device alone."""
+        return self.devices or (self.device,)
+
     def __post_init__(self) -> None:
         _check_device("trainer.device", self.device)
+        for i, d in enumerate(self.devices):
+            _check_device(f"trainer.devices[{i}]", d)
+        if self.devices:
+            kinds = {d.split(":")[0] for d in self.devices}
+            _check(len(kinds) == 1, "trainer.devices", 'all "cpu" (gloo) or all "cuda:N" (NCCL), not both', self.devices)
+            gpus = [d for d in self.devices if d != "cpu"]
+            _check(len(set(gpus)) == len(gpus), "trainer.devices", "each GPU once (one rank per GPU)", self.devices)
+            _check(self.kind == "peft", "trainer.devices", 'unset for trainer.kind = "simulated" (it has no ranks)',
+                   self.devices)
+            _check(self.separate_process, "trainer.devices",
+                   "unset with trainer.separate_process = false (each rank is a process of its own)", self.devices)
         _check(self.minibatches >= 1, "trainer.minibatches", ">= 1", self.minibatches)
         _check(self.epochs >= 1, "trainer.epochs", ">= 1", self.epochs)
         _check(self.lr >= 0 and math.isfinite(self.lr), "trainer.lr", ">= 0", self.lr)

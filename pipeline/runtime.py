@@ -66,7 +66,7 @@ class Runtime:
         thread to pay (vs_trl on 2 cores: 207 samples/s with both, 354 with half; docs/benchmarks.md#threads).
         """
         cfg = self.cfg
-        if cfg.trainer.device == "cpu" and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \
+        if "cpu" in cfg.trainer.rank_devices and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \
                 and "cpu" in cfg.engine.devices:
             import torch
 

@@ -57,7 +57,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import structlog
@@ -122,7 +122,7 @@ class LoRATrainer:
         self.consecutive_skips = 0  # non-finite steps in a row; the orchestrator stops the run at a limit
         self.model: torch.nn.Module | None = None
         self.reference: torch.nn.Module | None = None  # full mode with loss.kl_coef > 0: the frozen base
-        self._layout: tuple[dict[str, torch.nn.Parameter], bytes] | None = None  # LoRA: what save_adapter writes
+        self._layout: tuple[dict[str, str], bytes] | None = None  # LoRA: saved tensor -> parameter name, config
         self.optimizer: torch.optim.Optimizer | None = None
         self.pad_id = 0
 
@@ -205,6 +205,14 @@ class LoRATrainer:
         """`rows` (indices into a _Rows) in forward/backward passes of micro_batch_sequences each."""
         m = self.cfg.micro_batch_sequences
         return [list(rows[i:i + m]) for i in range(0, len(rows), m)]
+
+    def _passes(self, part: list[int]) -> list[list[int]]:
+        """The forward/backward passes of one optimizer step's rows that this trainer computes: all
+        of them here; a rank of a sharded trainer takes its share (pipeline.trainer_fsdp)."""
+        return self._micro_batches(part)
+
+    def _empty_pass(self, rows: _Rows, part: list[int]) -> None:
+        raise AssertionError("only a sharded trainer has passes without rows")
 
     def _forward(self, rows: _Rows, idx: Sequence[int], *, entropy: bool = False,
                  model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -309,6 +317,7 @@ class LoRATrainer:
             if skipped:
                 break
         self.optimizer.zero_grad(set_to_none=True)
+        self._pool_stats(acc, weights)
         if skipped:
             self.skipped_steps += 1
             self.consecutive_skips += 1
@@ -346,12 +355,19 @@ class LoRATrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grads
 
+    def _pool_stats(self, acc: dict[str, float], weights: list[float]) -> None:
+        """The step's statistics and importance-weight sums over every row: here they already are;
+        the ranks of a sharded trainer add theirs up (in place)."""
+
     def _clip_gradients(self) -> float:
         """The gradient norm, before clipping it to trainer.grad_clip (when on)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.cfg.grad_clip > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip))
-        return float(torch.sqrt(sum((p.grad.float() ** 2).sum() for p in params if p.grad is not None)))
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        # sharded parameters (FSDP2) give a DTensor norm, already reduced over the ranks
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _backward(self, rows: _Rows, part: list[int], advs: torch.Tensor, prox: list[torch.Tensor] | None,
                   ref: list[torch.Tensor] | None, acc: dict[str, float], weights: list[float] | None, *,
@@ -363,7 +379,10 @@ class LoRATrainer:
         part_tokens = rows.sampled_tokens(part)  # what token_mean averages over: sampled tokens only
         all_tokens = rows.sampled_tokens() if entropy else 0  # the entropy's mean is over the whole batch
         loss_total = 0.0
-        for idx in self._micro_batches(part):
+        for idx in self._passes(part):
+            if not idx:  # a sharded trainer's rank with no rows left: a pass that weighs nothing
+                self._empty_pass(rows, part)
+                continue
             lp, cmask, ent = self._forward(rows, idx, entropy=entropy)
             beh = self._behaviour(rows, idx, lp)
             loss, stats = policy_loss(
@@ -489,19 +508,28 @@ class LoRATrainer:
         from safetensors.torch import save_file
 
         names, config = self._lora_layout()
-        save_file({key: p.detach().contiguous() for key, p in names.items()},
-                  str(Path(directory) / "adapter_model.safetensors"), metadata={"format": "pt"})
-        (Path(directory) / "adapter_config.json").write_bytes(config)
+        params = dict(self._trainable())
+        tensors = {key: self._whole(params[name]) for key, name in names.items()}
+        if self._writes_versions:
+            save_file(tensors, str(Path(directory) / "adapter_model.safetensors"), metadata={"format": "pt"})
+            (Path(directory) / "adapter_config.json").write_bytes(config)
 
-    def _lora_layout(self) -> tuple[dict[str, torch.nn.Parameter], bytes]:
-        """Once per setup: each saved tensor name with the parameter it holds, and the bytes of
-        adapter_config.json, both as peft's save_pretrained makes them (the config never changes)."""
+    _writes_versions = True  # a sharded trainer's ranks other than 0 gather the version and write nothing
+
+    @staticmethod
+    def _whole(p: torch.nn.Parameter) -> torch.Tensor:
+        """A parameter's whole value (a sharded trainer gathers it from every rank)."""
+        return p.detach().contiguous()
+
+    def _lora_layout(self) -> tuple[dict[str, str], bytes]:
+        """Once per setup: each saved tensor name with the name of the parameter it holds, and the
+        bytes of adapter_config.json, both as peft's save_pretrained makes them (the config never changes)."""
         if self._layout is None:
             import tempfile
 
             from peft import get_peft_model_state_dict
 
-            by_storage = {p.data_ptr(): p for _, p in self._trainable()}
+            by_storage = {p.data_ptr(): n for n, p in self._trainable()}
             saved = get_peft_model_state_dict(self.model, adapter_name="default")
             missing = [k for k, t in saved.items() if t.data_ptr() not in by_storage]
             if missing:  # a tensor peft saves that is no trainable parameter: not a layout this code knows
@@ -525,8 +553,11 @@ class LoRATrainer:
         """Write everything the next step depends on into the existing `directory` (blocking, fsynced):
         the files pipeline.trainer_state describes."""
         assert self.model is not None and self.optimizer is not None, "call setup() first"
-        write_state(Path(directory), self.cfg, self._trainable(), self.optimizer,
-                    Counters(self.version, self.skipped_steps, self.consecutive_skips))
+        trainable = self._trainable()
+        moments = {n: {k: self._state_view(v) for k, v in self.optimizer.state.get(p, {}).items()}
+                   for n, p in trainable}
+        write_state(Path(directory), self.cfg, [(n, self._state_view(p)) for n, p in trainable], moments,
+                    Counters(self.version, self.skipped_steps, self.consecutive_skips), extra=self._state_extra())
         log.debug("trainer_state_saved", path=str(directory), version=self.version, update=self.cfg.update)
 
     def load_state(self, directory: Path) -> None:
@@ -536,16 +567,46 @@ class LoRATrainer:
         that does not fit this trainer raises TrainerError naming the file or parameter.
         Afterwards only the restored version can be recomputed (the older copies are gone).
         """
+        self._apply_state(self._read_state(Path(directory)), Path(directory))
+
+    # a sharded trainer's ranks save and load their own shards of each tensor (pipeline.trainer_fsdp)
+    def _state_view(self, t: torch.Tensor) -> torch.Tensor:
+        """What the state holds of a parameter or moment: here all of it."""
+        return t
+
+    def _as_moment(self, p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        """A saved AdamW moment as the optimizer keeps it for `p`."""
+        return t
+
+    def _state_extra(self) -> dict[str, Any]:
+        """Fields of trainer.json beyond pipeline.trainer_state's own."""
+        return {}
+
+    def _read_state(self, directory: Path) -> Any:
+        """The state in `directory`, checked against this trainer (TrainerError when it does not fit)."""
         assert self.model is not None and self.optimizer is not None, "call setup() first"
-        directory = Path(directory)
+        ranks = directory / "ranks.json"  # pipeline.trainer_fsdp's: one directory per rank
+        if ranks.is_file() and not (directory / "trainer.json").exists():
+            try:
+                n = json.loads(ranks.read_bytes()).get("world_size")
+            except (OSError, ValueError, AttributeError):
+                n = "several"
+            raise TrainerError(f"{directory} was written by {n} trainer ranks (trainer.devices); this trainer is one "
+                               "process: a sharded state resumes onto the same number of ranks")
+        return read_state(directory, self.cfg, {n: self._state_view(p) for n, p in self._trainable()})
+
+    def _apply_state(self, saved: Any, directory: Path) -> None:
+        """Put a state read by `_read_state` in place: weights, AdamW moments, RNG, counters."""
         trainable = dict(self._trainable())
-        saved = read_state(directory, self.cfg, trainable)
         with torch.no_grad():
             for n, p in trainable.items():
-                p.copy_(saved.weights[n].to(p.device))
+                view = self._state_view(p)
+                view.copy_(saved.weights[n].to(view.device))
         index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         sd = self.optimizer.state_dict()
-        sd["state"] = {index[id(trainable[n])]: st for n, st in saved.optimizer.items()}
+        sd["state"] = {index[id(trainable[n])]: {k: v if k == "step" else self._as_moment(trainable[n], v)
+                                                 for k, v in st.items()}
+                       for n, st in saved.optimizer.items()}
         self.optimizer.load_state_dict(sd)  # places each moment on its parameter's device
         torch.set_rng_state(saved.rng["cpu"])
         if self.cfg.device.startswith("cuda"):

@@ -84,12 +84,8 @@ def _exit_with(parent_sentinel: int) -> None:
     os._exit(1)
 
 
-def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None,
-           start: tuple[tuple, dict] | None, priority: tuple[int, bool]) -> None:
-    """The child's loop: build the trainer, then answer (method, args) requests until told to stop.
-
-    start: the trainer's (args, kwargs); None for a process started early (`TrainerProcess`),
-    which imports the trainer's libraries first and then waits for them in an "init" message."""
+def _child_start(events: Connection, floor: int, priority: tuple[int, bool]) -> Any:
+    """What every trainer process does first; returns the shipper of its events to the parent."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process stops
@@ -100,7 +96,24 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
     threading.Thread(target=_exit_with, args=(mp.parent_process().sentinel,), name="trainer-parent-watch",
                      daemon=True).start()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    shipper = log_to_parent(events, floor)
+    return log_to_parent(events, floor)
+
+
+def _set_threads(cfg: TrainerConfig) -> None:
+    if cfg.device == "cpu" and cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)  # build_trainer chose it (devices.trainer_threads)
+        structlog.get_logger(__name__).info("trainer_threads", threads=cfg.threads)
+
+
+def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None,
+           start: tuple[tuple, dict] | None, priority: tuple[int, bool]) -> None:
+    """The child's loop: build the trainer, then answer (method, args) requests until told to stop.
+
+    start: the trainer's (args, kwargs); None for a process started early (`TrainerProcess`),
+    which imports the trainer's libraries first and then waits for them in an "init" message."""
+    shipper = _child_start(events, floor, priority)
     try:
         if trainer_cls is None:
             from pipeline.trainer import LoRATrainer as trainer_cls  # torch, transformers, peft: seconds
@@ -110,13 +123,10 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
             except EOFError:  # never used: the run ended before its trainer was built
                 return
         args, kwargs = start
-        cfg = args[1]
-        if cfg.device == "cpu" and cfg.threads:
-            import torch
-
-            torch.set_num_threads(cfg.threads)  # build_trainer chose it (devices.trainer_threads)
-            structlog.get_logger(__name__).info("trainer_threads", threads=cfg.threads)
+        _set_threads(args[1])
         trainer = trainer_cls(*args, **kwargs)
+        if hasattr(trainer, "channel"):  # rank 0 of trainer ranks: every request goes to every rank
+            conn = trainer.channel(conn)
     except BaseException:
         structlog.get_logger(__name__).exception("trainer_process_failed", stage="start")
         shipper.flush(_FLUSH_S)
@@ -134,13 +144,35 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
             # teardown would keep, and with torch loaded that teardown takes 0.5-1 s of every run's end
             os._exit(0)
         try:
-            own = _CHILD_CALLS.get(method)
-            result = own(trainer, *margs) if own is not None else getattr(trainer, method)(*margs)
+            result = run_call(trainer, method, margs)
             if method in _MIRRORED:
                 result = (result, trainer.version, trainer.skipped_steps, trainer.consecutive_skips)
-            conn.send(("ok", result))
+            reply: tuple[str, Any] = ("ok", result)
         except Exception as e:  # report to the parent, which raises it; keep serving
-            conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+            reply = ("error", (type(e).__name__, str(e), traceback.format_exc()))
+        conn.send(reply)
+
+
+def run_call(trainer: Any, method: str, margs: Sequence[Any]) -> Any:
+    """One request: the process's own calls (`_CHILD_CALLS`), else the trainer's method."""
+    own = _CHILD_CALLS.get(method)
+    return own(trainer, *margs) if own is not None else getattr(trainer, method)(*margs)
+
+
+def _follow(events: Connection, floor: int, spec: Any, threads_cfg: TrainerConfig, priority: tuple[int, bool]) -> None:
+    """A trainer rank other than 0 (pipeline.trainer_fsdp): it serves rank 0's requests, not a pipe."""
+    shipper = _child_start(events, floor, priority)
+    code = 0
+    try:
+        _set_threads(threads_cfg)
+        from pipeline.trainer_fsdp import serve_follower
+
+        serve_follower(spec)
+    except BaseException:
+        structlog.get_logger(__name__).exception("trainer_rank_failed", rank=spec.rank)
+        code = 1
+    shipper.flush(_FLUSH_S)
+    os._exit(code)  # as a stopped trainer process: nothing left for the interpreter's teardown
 
 
 def _step_and_save(trainer: Any, batch: Batch, directory: Path) -> tuple[TrainStats, float]:
@@ -170,20 +202,31 @@ def _spawn(trainer_cls: type | None, start: tuple[tuple, dict] | None,
     if trainer_cls is not None and trainer_cls.__module__ == "__main__":
         raise TrainerError(f"trainer_cls {trainer_cls.__qualname__} is defined in the script being run "
                            "(__main__), which the trainer's process does not import; define it in a module")
+    conn, child = mp.get_context("spawn").Pipe()
+    proc, reader = _start_child(_serve, lambda events, floor: (child, events, floor, trainer_cls, start, priority),
+                                "pipeline-trainer")
+    child.close()
+    return proc, conn, reader
+
+
+def spawn_follower(spec: Any, cfg: TrainerConfig) -> tuple[Any, threading.Thread]:
+    """Start trainer rank `spec.rank` (> 0) of a sharded trainer: (process, the thread forwarding its events)."""
+    return _start_child(_follow, lambda events, floor: (events, floor, spec, cfg, _priority(cfg)),
+                        f"pipeline-trainer-rank-{spec.rank}")
+
+
+def _start_child(target: Any, args: Any, name: str) -> tuple[Any, threading.Thread]:
     ctx = mp.get_context("spawn")
-    conn, child = ctx.Pipe()
     events, child_events = ctx.Pipe(duplex=False)
     floor = max(logging.getLogger("pipeline").getEffectiveLevel(), logging.DEBUG)
-    proc = ctx.Process(target=_serve, args=(child, child_events, floor, trainer_cls, start, priority),
-                       name="pipeline-trainer", daemon=True)
+    proc = ctx.Process(target=target, args=args(child_events, floor), name=name, daemon=True)
     # not while a vLLM engine's start has narrowed CUDA_VISIBLE_DEVICES to its GPU
     with ENV_LOCK, _main_module_hidden():
         proc.start()
-    child.close()
     child_events.close()  # the child's copy is the only writer left, so its end is the pipe's end
-    reader = threading.Thread(target=forward_events, args=(events, proc), name="trainer-events", daemon=True)
+    reader = threading.Thread(target=forward_events, args=(events, proc), name=f"{name}-events", daemon=True)
     reader.start()
-    return proc, conn, reader
+    return proc, reader
 
 
 class TrainerProcess:
@@ -270,6 +313,13 @@ class ProcessTrainer:
             code = self._proc.exitcode
         return TrainerError(f"the trainer process is not running (exit code {code}); {method} failed")
 
+    def _answered(self, conn: Connection, timeout: float, method: str) -> bool:
+        """Wait for the answer to `method` (False when `timeout` passes first)."""
+        return conn.poll(timeout)
+
+    def _no_answer(self, method: str, limit: str) -> str:
+        return f"the trainer process did not answer {method} within {limit}"
+
     def _call(self, method: str, *args: Any) -> Any:
         timeout, setting = ((self.start_timeout_s, "start_timeout_s") if method == "setup"
                             else (self.step_timeout_s, "trainer.step_timeout_s"))
@@ -279,10 +329,10 @@ class ProcessTrainer:
                 raise self._dead(method)
             try:
                 conn.send((method, args))
-                if not conn.poll(timeout):
+                if not self._answered(conn, timeout, method):
+                    why = self._no_answer(method, f"{setting} = {timeout} s")
                     self._kill()
-                    raise TrainerError(f"the trainer process did not answer {method} within {setting} = {timeout} s;"
-                                       f" it was killed (exit code {proc.exitcode})")
+                    raise TrainerError(f"{why}; it was killed (exit code {proc.exitcode})")
                 status, value = conn.recv()
             except (EOFError, OSError):  # the child died before or while answering (OSError: broken pipe)
                 raise self._dead(method) from None

@@ -69,16 +69,18 @@ class SavedState:
     lr: Any  # the lr it was saved with (a resumed run may change it)
 
 
-def write_state(directory: Path, cfg: TrainerConfig, trainable: list[tuple[str, torch.nn.Parameter]],
-                optimizer: torch.optim.Optimizer, counters: Counters) -> None:
-    """Write the state of a trainer into the existing `directory` (blocking, fsynced)."""
+def write_state(directory: Path, cfg: TrainerConfig, trainable: list[tuple[str, torch.Tensor]],
+                moments: dict[str, dict[str, Any]], counters: Counters, extra: dict[str, Any] | None = None) -> None:
+    """Write the state of a trainer into the existing `directory` (blocking, fsynced): its trainable
+    weights by name, each one's AdamW state (`moments`, empty before its first step), its counters,
+    and `extra` fields for trainer.json (a sharded trainer's rank and world size)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
     from safetensors.torch import save
 
     digests = {}
-    for name, tensors in zip(state_files(cfg.update), _state_tensors(trainable, optimizer, cfg.device)):
+    for name, tensors in zip(state_files(cfg.update), _state_tensors(trainable, moments, cfg.device)):
         data = save(tensors)
         write_synced(directory / name, data)
         digests[name] = hashlib.sha256(data).hexdigest()
@@ -88,17 +90,18 @@ def write_state(directory: Path, cfg: TrainerConfig, trainable: list[tuple[str, 
         "skipped_steps": counters.skipped_steps, "consecutive_skips": counters.consecutive_skips, "lr": cfg.lr,
         "lora_rank": None if cfg.update == "full" else cfg.lora_rank, "dtype": cfg.dtype,
         "device": cfg.device, "parameters": {n: list(p.shape) for n, p in trainable}, "sha256": digests,
+        **(extra or {}),
     }
     write_synced(directory / "trainer.json", json.dumps(meta, indent=1).encode())
     fsync_dir(directory)
 
 
-def _state_tensors(trainable: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer,
+def _state_tensors(trainable: list[tuple[str, torch.Tensor]], moments: dict[str, dict[str, Any]],
                    device: str) -> Iterator[dict[str, torch.Tensor]]:
     """The weights, optimizer and RNG files' tensors, one file at a time."""
     yield {n: p.detach().to("cpu").contiguous() for n, p in trainable}
     yield {f"{n}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
-           for n, p in trainable for k, v in optimizer.state.get(p, {}).items()}
+           for n, _ in trainable for k, v in moments.get(n, {}).items()}
     rng = {"cpu": torch.get_rng_state()}
     if device.startswith("cuda"):
         rng["cuda"] = torch.cuda.get_rng_state(device)

@@ -1,0 +1,170 @@
+"""Trainer ranks: `trainer.devices` starts one trainer process per entry, one FSDP2 group.
+
+The pipeline talks to rank 0 as it talks to a one-device trainer process (ProcessTrainer: one
+request at a time, over a pipe); rank 0 hands every request on to the other ranks
+(pipeline.trainer_fsdp). This side starts the ranks and watches them.
+
+Invariants:
+- The ranks meet at a FileStore in a fresh temporary directory (`file://`): no store listens on a
+  port. gloo and NCCL then connect the ranks to each other over the loopback interface only
+  (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = lo, unless the environment sets them).
+- Every wait for an answer also watches every rank: a rank that dies ends the call at once with
+  a TrainerError naming the rank, its device and its exit code, and every other rank is killed
+  (none keeps its device). A call that gets no answer within its bound (trainer.step_timeout_s;
+  setup: the start timeout) kills every rank too; its error names each rank's process state, so
+  a stopped or hung rank can be told from those waiting on it in a collective.
+- After either, every later call raises TrainerError; the run ends there, after its last
+  checkpoint, which `--resume` continues onto the same number of ranks.
+- `close()` stops rank 0, which stops the others; any rank still running after 10 s is killed,
+  and the rendezvous directory is removed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from pipeline.config import LossConfig, TrainerConfig
+from pipeline.errors import TrainerError
+from pipeline.trainer_process import _FLUSH_S, ProcessTrainer, TrainerProcess, spawn_follower
+
+log = structlog.get_logger(__name__)
+
+_STATES = {"R": "running", "S": "waiting", "D": "in I/O", "T": "stopped", "t": "stopped (traced)", "Z": "dead"}
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one rank stands in the group, sent to it when it starts."""
+
+    rank: int
+    world_size: int
+    devices: tuple[str, ...]  # the device of every rank (remote ranks: as they reported them)
+    init_method: str  # torch.distributed's rendezvous: file:// on one host, tcp:// across hosts
+    timeout_s: float  # trainer.step_timeout_s: the bound of every collective inside a call
+    local: bool = True  # every rank on this host: gloo and NCCL talk over the loopback interface only
+
+    @property
+    def device(self) -> str:
+        return self.devices[self.rank]
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+
+def _leader_cls() -> Any:
+    from pipeline.trainer_fsdp import leader  # imports torch: only in the ranks' processes
+
+    return leader
+
+
+class _Leader:
+    """Stands for pipeline.trainer_fsdp.leader as rank 0's trainer class, so the pipeline's process
+    names it without importing torch: pickled by reference, resolved in rank 0's process."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _leader_cls()(*args, **kwargs)
+
+
+LEADER = _Leader()
+
+
+def early_process(cfg: TrainerConfig) -> TrainerProcess:
+    """Rank 0's process, started before the model exists (as build.early_trainer_process does for one device)."""
+    return TrainerProcess(cfg, trainer_cls=LEADER)
+
+
+def _process_state(pid: int | None) -> str:
+    """A process's scheduler state from /proc ("gone" when it has exited)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, TypeError):
+        return "gone"
+    return _STATES.get(stat.rpartition(")")[2].split()[0], "unknown")
+
+
+class RankedTrainer(ProcessTrainer):
+    """A sharded trainer of len(trainer.devices) ranks, with ProcessTrainer's interface."""
+
+    def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *,
+                 process: TrainerProcess | None = None, **kwargs: Any) -> None:
+        super().__init__(model_path, cfg, loss_cfg, trainer_cls=LEADER, process=process, **kwargs)
+        self.devices = tuple(cfg.devices)
+        self.world_size = len(self.devices)
+        self._followers: list[tuple[Any, threading.Thread]] = []  # ranks 1.. : (process, event reader)
+        self._rendezvous: str | None = None
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each rank's process id, rank 0 first (empty before setup and after close)."""
+        if self._proc is None:
+            return []
+        return [self._proc.pid, *(p.pid for p, _ in self._followers)]
+
+    def setup(self) -> None:
+        self._rendezvous = tempfile.mkdtemp(prefix="pipeline-ranks-")
+        init = f"file://{self._rendezvous}/store"
+        specs = [RankSpec(r, self.world_size, self.devices, init, self.step_timeout_s)
+                 for r in range(self.world_size)]
+        log.info("trainer_ranks", world_size=self.world_size, devices=list(self.devices), backend=specs[0].backend,
+                 rendezvous=init)
+        self._followers = [spawn_follower(spec, self._args[1]) for spec in specs[1:]]
+        self._kwargs["ranks"] = specs[0]
+        super().setup()
+
+    def _answered(self, conn: Connection, timeout: float, method: str) -> bool:
+        sentinels = {p.sentinel: (rank, p) for rank, (p, _) in enumerate(self._followers, start=1)}
+        ready = wait([conn, *sentinels], timeout)
+        if conn in ready:
+            return True
+        for s in ready:  # a rank other than 0 died: rank 0 would wait on it until the collective's timeout
+            rank, proc = sentinels[s]
+            proc.join(1)
+            code = proc.exitcode
+            self._kill()
+            raise TrainerError(f"trainer rank {rank} ({self.devices[rank]}) died (exit code {code}) during "
+                               f"{method}; every rank was stopped. `--resume` continues from the last checkpoint")
+        return False
+
+    def _no_answer(self, method: str, limit: str) -> str:
+        pids = self.pids
+        states = ", ".join(f"rank {r} on {self.devices[r]}: {_process_state(pid)}" for r, pid in enumerate(pids))
+        return f"trainer ranks did not answer {method} within {limit} ({states}); every rank was killed"
+
+    def _dead(self, method: str) -> TrainerError:
+        e = super()._dead(method)
+        return TrainerError(f"trainer rank 0 ({self.devices[0]}): {e}")
+
+    def _kill(self) -> None:
+        for proc, _ in self._followers:
+            if proc.is_alive():
+                proc.kill()
+        super()._kill()
+        self._reap_followers(5)
+
+    def _reap_followers(self, wait_s: float) -> None:
+        for proc, reader in self._followers:
+            proc.join(wait_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+            reader.join(_FLUSH_S)
+
+    def close(self) -> None:
+        """Stop rank 0 (which stops the others), then make sure every rank has ended."""
+        try:
+            super().close()
+        finally:
+            self._reap_followers(10)
+            self._followers = []
+            if self._rendezvous is not None:
+                shutil.rmtree(self._rendezvous, ignore_errors=True)
+                self._rendezvous = None
