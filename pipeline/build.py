@@ -116,7 +116,8 @@ def model_and_tokenizer(cfg: RunConfig, tokenizer: Any, *, engines: bool, traine
 def init_cuda(cfg: RunConfig) -> None:
     """Initialise CUDA here, seeing every GPU, before a vLLM engine narrows CUDA_VISIBLE_DEVICES to
     its own GPU while it starts (the trainer loads in a thread meanwhile)."""
-    if any(d.startswith("cuda") for d in (*cfg.engine.devices, *cfg.trainer.rank_devices)):
+    in_process = cfg.engine.devices if cfg.engine.kind in ("transformers", "vllm") else ()  # not servers' GPUs
+    if any(d.startswith("cuda") for d in (*in_process, *cfg.trainer.rank_devices)):
         import torch
 
         torch.cuda.init()
@@ -178,11 +179,15 @@ def prompt_builder(cfg: RunConfig, tokenizer: Any, model_path: str | None, engin
                          chat_template=read_chat_template(dc.chat_template) if dc.chat_template else None)
 
 
-def build_engines(cfg: RunConfig, model_path: str | None, start_step: int) -> list[Engine]:
-    """One engine per engine.devices entry (per vllm_server.urls entry for servers), of engine.kind."""
+def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
+                  run_dir: str | Path | None = None) -> list[Engine]:
+    """One engine per engine.devices entry (per vllm_server.urls entry for servers someone else
+    started), of engine.kind. Launched servers write their logs under run_dir/servers/."""
     K = cfg.pipeline.max_staleness
     full = cfg.trainer.update == "full"
     offset = 1009 * start_step  # a resumed run samples afresh, not the first session's draws
+    if cfg.engine.kind == "vllm_server" and cfg.engine.vllm_server.launch:
+        return launched_servers(cfg, model_path, Path(run_dir or ".") / "servers", seed=cfg.engine.vllm.seed + offset)
     if cfg.engine.kind == "vllm_server":  # servers someone else started: one engine per URL
         from pipeline.engines.vllm_server import VLLMServerEngine
 
@@ -211,6 +216,27 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int) -> li
                                                    max_staleness=K, name=f"vllm-{i}",
                                                    seed=cfg.engine.vllm.seed + offset + i, full_weights=full)
     return [make(i, dev) for i, dev in enumerate(cfg.engine.devices)]
+
+
+def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed: int) -> list[Engine]:
+    """One `vllm serve` of the model per engine.devices entry, each the engine of its own server:
+    started by the engine's start() and stopped by its close(), so an engine restart is a new server."""
+    from pipeline.engines.vllm_serve import VLLM_SERVE, VLLMServeProcess
+    from pipeline.engines.vllm_server import VLLMServerEngine
+
+    vc, sc, K = cfg.engine.vllm, cfg.engine.vllm_server, cfg.pipeline.max_staleness
+    engines: list[Engine] = []
+    for i, device in enumerate(cfg.engine.devices):
+        server = VLLMServeProcess(
+            model_path, log_dir / f"vllm-server-{i}.log", device=device, host=sc.host, port=sc.port + i if sc.port else 0,
+            gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
+            max_num_seqs=vc.max_num_seqs, max_lora_rank=vc.max_lora_rank,
+            max_loras=sc.max_loaded_adapters or K + 2, enforce_eager=vc.enforce_eager,
+            extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), program=sc.command or VLLM_SERVE)
+        engines.append(VLLMServerEngine(server.url, sampling=cfg.sampling, cfg=sc, max_staleness=K,
+                                        name=f"vllm-server-{i}", server=server,
+                                        server_timeout_s=cfg.engine.start_timeout_s))
+    return engines
 
 
 def early_trainer_process(cfg: RunConfig) -> Any:

@@ -276,9 +276,15 @@ class VLLMEngineConfig:
 
 @dataclass(frozen=True)
 class VLLMServerEngineConfig:
-    """vLLM servers (`vllm serve`, OpenAI-compatible HTTP) started by you, on this or other hosts."""
+    """vLLM servers (`vllm serve`, OpenAI-compatible HTTP): started by you, on this or other hosts, or
+    launched here by the pipeline (`launch`)."""
 
     urls: tuple[str, ...] = ()  # one engine per server, e.g. ["http://gpu-host-1:8000"]
+    launch: bool = False  # start one `vllm serve` here per engine.devices entry (flags from engine.vllm), stopped at exit
+    host: str = "127.0.0.1"  # launched servers listen here ("0.0.0.0": every interface; they serve anyone who reaches them)
+    port: int = 0  # launched servers: server i listens on port + i; 0 = free ports
+    extra_args: tuple[str, ...] = ()  # launched servers: more `vllm serve` flags, as given
+    command: tuple[str, ...] = ()  # launched servers: the command the model path and flags follow; () = this Python's `vllm serve`
     model: str = ""  # the base model's name on the servers; "" = the one each server lists
     api_key_env: str = ""  # name of an environment variable holding the servers' --api-key; "" = none
     max_loaded_adapters: int = 0  # adapters registered on a server at once; 0 = max_staleness + 2
@@ -289,6 +295,11 @@ class VLLMServerEngineConfig:
                    f"engine.vllm_server.urls[{i}]", 'a server URL like "http://host:8000"', url)
         _check(len(set(self.urls)) == len(self.urls), "engine.vllm_server.urls", "distinct servers", self.urls)
         _check(self.max_loaded_adapters >= 0, "engine.vllm_server.max_loaded_adapters", ">= 0", self.max_loaded_adapters)
+        _check(0 <= self.port <= 65535, "engine.vllm_server.port", "in [0, 65535] (0 = free ports)", self.port)
+        _check(bool(self.host), "engine.vllm_server.host", "an address to listen on", self.host)
+        if self.launch and self.urls:
+            raise ConfigError("engine.vllm_server.launch starts the servers itself, one per engine.devices entry; "
+                              "leave engine.vllm_server.urls out (or set launch = false to use yours)")
 
 
 @dataclass(frozen=True)
@@ -351,13 +362,17 @@ class EngineConfig:
         if self.kind == "vllm":
             for i, d in enumerate(self.devices):
                 _check(d.startswith("cuda:"), f"engine.devices[{i}]", 'a GPU ("cuda:N") for the vLLM engine', d)
-        if self.kind == "vllm_server" and self.devices != ("cpu",):
+        if self.kind == "vllm_server" and self.vllm_server.launch:
+            for i, d in enumerate(self.devices):
+                _check(d.startswith("cuda:"), f"engine.devices[{i}]", 'a GPU ("cuda:N") for a launched vllm serve', d)
+        elif self.kind == "vllm_server" and self.devices != ("cpu",):
             raise ConfigError('engine.devices does not apply to engine.kind = "vllm_server": each server runs on the '
-                              "GPUs it was started on, one engine per engine.vllm_server.urls entry; leave it out")
-        if self.kind == "vllm_server" and not self.vllm_server.urls:
+                              "GPUs it was started on, one engine per engine.vllm_server.urls entry; leave it out "
+                              "(or set engine.vllm_server.launch = true to start one server per entry)")
+        if self.kind == "vllm_server" and not self.vllm_server.urls and not self.vllm_server.launch:
             raise ConfigError('engine.kind = "vllm_server" needs engine.vllm_server.urls: the servers to use, '
                               'e.g. ["http://gpu-host-1:8000"] (start each with `vllm serve MODEL --enable-lora` '
-                              "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
+                              "and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), or engine.vllm_server.launch = true")
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,7 @@ class Pipeline:
 
         self.runtime.share_cpu()
         build.init_cuda(cfg)
-        self.engines = self._user_engines or build.build_engines(cfg, self.model_path, self.start_step)
+        self.engines = self._user_engines or build.build_engines(cfg, self.model_path, self.start_step, self.run_dir)
         self._built_engines = [] if self._user_engines else list(self.engines)
         self.buffer = RolloutBuffer(pc.batch_groups, pc.max_staleness, pc.capacity,
                                     max_groups=(pc.steps - self.start_step) * pc.batch_groups,

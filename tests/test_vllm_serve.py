@@ -121,7 +121,7 @@ def test_stop_leaves_no_live_process_of_the_servers_group(tmp_path: Path, server
 
     async def scenario() -> None:
         await server.start(timeout_s=10)
-        assert server.pid is not None and len(live_in_group(server.pid)) == 2  # the server and its child
+        assert server.pid is not None and len(live_in_group(server.pid)) == 3  # the guard, the server, its child
         await asyncio.wait_for(server.stop(), timeout=5)
 
     run(scenario())
@@ -158,12 +158,13 @@ def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path: Path
 
 @linux_only
 def test_a_killed_owner_leaves_no_server(tmp_path: Path) -> None:
-    # the owner process starts the server from its main thread, says the server's pid, and is SIGKILLed
+    # the owner process starts the server from its main thread, says the server's pid, and is SIGKILLed;
+    # the server has a child that ignores SIGTERM, as vLLM's engine core is a process of its own
     owner_code = (
         "import asyncio, sys\n"
         "from pipeline.engines.vllm_serve import VLLMServeProcess\n"
         f"s = VLLMServeProcess({str(tmp_path / 'model')!r}, {str(tmp_path / 'serve.log')!r}, "
-        f"program=(sys.executable, {str(FAKE)!r}))\n"
+        f"program=(sys.executable, {str(FAKE)!r}), extra=['--fake-child'])\n"
         "asyncio.run(s.start(timeout_s=10))\n"
         "print('server-pid', s.pid, flush=True)\n"
         "sys.stdin.read()\n")  # until the test kills it
@@ -173,9 +174,10 @@ def test_a_killed_owner_leaves_no_server(tmp_path: Path) -> None:
     server = next(int(line.split()[1]) for line in owner.stdout if line.startswith("server-pid "))  # after its logs
     try:
         assert state(server) is not None and state(server)[0] != "Z"
+        assert len(live_in_group(server)) == 3  # the guard, the server, the server's child
         owner.kill()
         owner.wait()
-        assert until_none_live(server) == [], "the server outlived its killed owner"
+        assert until_none_live(server) == [], "the server or its child outlived its killed owner"
     finally:
         kill_leftovers(server)
         owner.stdin.close()

@@ -11,10 +11,11 @@ Invariants:
 - The server and every process it starts (vLLM's engine core) form their own process group
   (start_new_session). `stop()` signals the whole group: SIGTERM, SIGKILL after `grace_s`, then
   SIGKILL to whatever of the group outlived the server, so nothing of it holds the GPU afterwards.
-- On Linux the kernel SIGKILLs the server when the thread that started it ends
-  (PR_SET_PDEATHSIG): this process killed, or exiting without `stop()`, leaves no server. Call
-  `start()` from a thread that lives as long as the server (an event loop's). vLLM's own child
-  processes are not covered by that signal, only by `stop()`.
+- The server's parent is a guard (serve_guard.py), the group's leader, and `pid` is the guard's.
+  On Linux the kernel signals the guard when the thread that started it ends (PR_SET_PDEATHSIG),
+  and the guard SIGKILLs the whole group: this process killed, or exiting without `stop()`,
+  leaves neither the server nor vLLM's engine core. Call `start()` from a thread that lives as
+  long as the server (an event loop's).
 - `start()` returns once GET /health answers 200. If the server exits first or does not answer
   within the timeout, it is stopped and EngineDeadError is raised with the end of its log.
 """
@@ -48,6 +49,7 @@ _POLL_S = 0.5  # how often a starting server is asked for /health: it gives no o
 _PROBE_TIMEOUT_S = 2.0  # one /health request; a server still loading may not accept yet
 _LOG_TAIL_BYTES = 4000  # how much of the server's log an error quotes
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_GUARD = Path(__file__).with_name("serve_guard.py")  # the server's parent, which ends its group when we die
 # free_port draws from below Linux's default ephemeral range (32768-60999), where outgoing
 # connections take their local ports
 _PORTS = (20000, 32767)
@@ -149,8 +151,9 @@ class VLLMServeProcess:
         with open(self.log_path, "wb") as out:  # the child writes through its own copy of the descriptor
             # preexec_fn is unsafe beside threads when it takes a lock another thread held at the
             # fork; this one calls only prctl (looked up before the fork) and getppid
-            proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent())
+            proc = subprocess.Popen([sys.executable, str(_GUARD), str(os.getpid()), "--", *self.argv], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=_die_with_parent())
         log.info("vllm_serve_started", pid=proc.pid, url=self.url, gpu=env["CUDA_VISIBLE_DEVICES"],
                  log=str(self.log_path))
         return proc
@@ -195,17 +198,18 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 
 
 def _die_with_parent() -> Callable[[], None] | None:
-    """The child's pre-exec step on Linux: SIGKILL when the thread starting it ends. None elsewhere."""
+    """The guard's pre-exec step on Linux: SIGUSR1 (its cue to SIGKILL the server's group) when the
+    thread starting it ends. None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
     except (OSError, AttributeError):  # no prctl in this libc: the server then outlives a killed owner
         return None
-    parent, kill = os.getpid(), int(signal.SIGKILL)
+    parent, cue = os.getpid(), int(signal.SIGUSR1)
 
     def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, kill)
+        prctl(_PR_SET_PDEATHSIG, cue)
         if os.getppid() != parent:  # the owner died before the signal was armed
             os._exit(1)
 

@@ -24,8 +24,11 @@ Invariants (beyond the Engine protocol's):
 - Errors: a server that cannot be reached -> EngineDeadError (the pipeline takes the engine out
   of rotation and may restart it: `start()` probes the server again); an HTTP error on a
   completion -> GenerationError with the server's message; on a registration -> AdapterError.
-- The server owns its GPU and its process: `close()` ends this engine's requests, unregisters its
-  adapters and leaves the server running.
+- A server someone else started owns its GPU and its process: `close()` ends this engine's
+  requests, unregisters its adapters and leaves the server running. A server the engine was
+  given to launch (`server`, engine.vllm_server.launch) is started by `start()` and stopped, its
+  whole process group, by `close()`: a restart of the engine is a new server on the same port,
+  and a server that died is restarted that way.
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ class VLLMServerEngine:
     """Samples whole groups on one vLLM server over HTTP; adapters registered at run time."""
 
     def __init__(self, url: str, *, sampling: SamplingConfig, cfg: VLLMServerEngineConfig,
-                 max_staleness: int = 1, name: str = "vllm-server-0") -> None:
+                 max_staleness: int = 1, name: str = "vllm-server-0", server: Any = None,
+                 server_timeout_s: float = 600.0) -> None:
+        """server: a pipeline.engines.vllm_serve.VLLMServeProcess serving `url`, started and stopped
+        with this engine (within `server_timeout_s` to answer /health); None: the server is yours."""
         if max_staleness < 0:
             raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
         self.url = url.rstrip("/")
@@ -110,6 +116,8 @@ class VLLMServerEngine:
         self._residency = self._new_residency()  # the adapters registered or registering
         self._closed = False
         self._closes = 0  # close() calls so far: a call that spans one learns the engine closed under it
+        self.server = server
+        self._server_timeout_s = server_timeout_s
 
     # ------------------------------------------------------------------ public API
 
@@ -130,6 +138,9 @@ class VLLMServerEngine:
                 return
             self._closed = False
             self._residency = self._new_residency()
+            if self.server is not None:
+                await self.server.stop()  # a server of ours that died: what is left of its group
+                await self.server.start(timeout_s=self._server_timeout_s)
             import aiohttp
 
             key_env = self.cfg.api_key_env
@@ -180,7 +191,15 @@ class VLLMServerEngine:
         await self._residency.unload(adapter)  # after close() it does nothing
 
     async def close(self) -> None:
-        """End this engine's requests, unregister its adapters (best effort) and close the connections."""
+        """End this engine's requests, unregister its adapters (best effort) and close the connections;
+        then stop the server if this engine launched it."""
+        try:
+            await self._close_session()
+        finally:
+            if self.server is not None:
+                await self.server.stop()
+
+    async def _close_session(self) -> None:
         if self._closed:
             return
         self._closed = True
