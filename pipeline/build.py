@@ -226,6 +226,9 @@ def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed
 
     vc, sc, K = cfg.engine.vllm, cfg.engine.vllm_server, cfg.pipeline.max_staleness
     engines: list[Engine] = []
+    # servers of one GPU start one after another: vLLM sizes its KV cache from the memory it sees
+    # free while profiling, which a second server starting beside it would be taking
+    gates = {device: asyncio.Lock() for device in cfg.engine.devices}
     for i, device in enumerate(cfg.engine.devices):
         server = VLLMServeProcess(
             model_path, log_dir / f"vllm-server-{i}.log", device=device, host=sc.host, port=sc.port + i if sc.port else 0,
@@ -235,7 +238,7 @@ def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed
             extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), program=sc.command or VLLM_SERVE)
         engines.append(VLLMServerEngine(server.url, sampling=cfg.sampling, cfg=sc, max_staleness=K,
                                         name=f"vllm-server-{i}", server=server,
-                                        server_timeout_s=cfg.engine.start_timeout_s))
+                                        server_timeout_s=cfg.engine.start_timeout_s, server_gate=gates[device]))
     return engines
 
 

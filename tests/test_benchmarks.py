@@ -711,3 +711,21 @@ def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, mon
     monkeypatch.setattr(st.subprocess, "run", failing)
     with pytest.raises(SystemExit, match="model.path does not exist"):
         st.main(["--warm", "0", "--scratch", str(tmp_path / "other"), "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_trainer_scaling_times_one_process_then_each_world_size(tmp_path: Path, model_cache: Path) -> None:
+    """On two gloo ranks (the GPU command differs only in --devices): the one-process baseline, then
+    ranks on 1 and 2 devices, per update mode, each with its speed-up over the baseline of its run."""
+    load("trainer_scaling").main(["--devices", "cpu,cpu", "--shape", "tiny", "--cache", str(model_cache),
+                                  "--groups", "2", "--n", "4", "--tokens", "8", "--prompt-tokens", "4",
+                                  "--steps", "2", "--out", str(tmp_path)])
+    [path] = tmp_path.glob("trainer_scaling_tiny_*.json")
+    data = json.loads(path.read_text())
+    rows = [(r["update"], r["trainer"], r["world_size"]) for r in data["results"]]
+    assert rows == [(u, t, w) for u in ("lora", "full") for t, w in (("one process", 1), ("ranks", 1), ("ranks", 2))]
+    for r in data["results"]:
+        assert len(r["step_s_all"]) == 2 and r["samples_per_s"] == pytest.approx(8 / r["step_s"])
+        assert 0 < r["rank_step_max_s"] <= r["step_s"]
+    base = {r["update"]: r["step_s"] for r in data["results"] if r["trainer"] == "one process"}
+    assert all(r["speedup_vs_one_process"] == pytest.approx(base[r["update"]] / r["step_s"]) for r in data["results"])

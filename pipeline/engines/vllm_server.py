@@ -91,9 +91,10 @@ class VLLMServerEngine:
 
     def __init__(self, url: str, *, sampling: SamplingConfig, cfg: VLLMServerEngineConfig,
                  max_staleness: int = 1, name: str = "vllm-server-0", server: Any = None,
-                 server_timeout_s: float = 600.0) -> None:
+                 server_timeout_s: float = 600.0, server_gate: asyncio.Lock | None = None) -> None:
         """server: a pipeline.engines.vllm_serve.VLLMServeProcess serving `url`, started and stopped
-        with this engine (within `server_timeout_s` to answer /health); None: the server is yours."""
+        with this engine (within `server_timeout_s` to answer /health); None: the server is yours.
+        server_gate: held while the server starts (one start at a time per GPU)."""
         if max_staleness < 0:
             raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
         self.url = url.rstrip("/")
@@ -118,6 +119,7 @@ class VLLMServerEngine:
         self._closes = 0  # close() calls so far: a call that spans one learns the engine closed under it
         self.server = server
         self._server_timeout_s = server_timeout_s
+        self._server_gate = server_gate or asyncio.Lock()
 
     # ------------------------------------------------------------------ public API
 
@@ -140,7 +142,8 @@ class VLLMServerEngine:
             self._residency = self._new_residency()
             if self.server is not None:
                 await self.server.stop()  # a server of ours that died: what is left of its group
-                await self.server.start(timeout_s=self._server_timeout_s)
+                async with self._server_gate:
+                    await self.server.start(timeout_s=self._server_timeout_s)
             import aiohttp
 
             key_env = self.cfg.api_key_env
