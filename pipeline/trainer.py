@@ -211,6 +211,10 @@ class LoRATrainer:
         of them here; a rank of a sharded trainer takes its share (pipeline.trainer_fsdp)."""
         return self._micro_batches(part)
 
+    def _before_pass(self, last: bool) -> None:
+        """Before each forward/backward of an optimizer step (a sharded trainer reduces gradients
+        over its ranks after the last only)."""
+
     def _empty_pass(self, rows: _Rows, part: list[int]) -> None:
         raise AssertionError("only a sharded trainer has passes without rows")
 
@@ -379,7 +383,9 @@ class LoRATrainer:
         part_tokens = rows.sampled_tokens(part)  # what token_mean averages over: sampled tokens only
         all_tokens = rows.sampled_tokens() if entropy else 0  # the entropy's mean is over the whole batch
         loss_total = 0.0
-        for idx in self._passes(part):
+        passes = self._passes(part)
+        for i, idx in enumerate(passes):
+            self._before_pass(last=i == len(passes) - 1)
             if not idx:  # a sharded trainer's rank with no rows left: a pass that weighs nothing
                 self._empty_pass(rows, part)
                 continue

@@ -209,6 +209,13 @@ class FSDPTrainer(LoRATrainer):
         mine = self._micro_batches(self._share(part, self.rank))
         return mine + [[] for _ in range(most - len(mine))]
 
+    def _before_pass(self, last: bool) -> None:
+        """LoRA: the adapter's gradients accumulate unsharded over an optimizer step's passes and are
+        reduced over the ranks after its last (one reduce-scatter a step, not one a pass; the
+        adapter is small). Full weights reduce after every pass: their gradients stay sharded."""
+        if not self.full:
+            self.model.set_requires_gradient_sync(last)
+
     def _empty_pass(self, rows: _Rows, part: list[int]) -> None:
         """A forward and backward that weighs nothing, so this rank meets the others' collectives."""
         lp, _, _ = self._forward(rows, part[:1])
