@@ -383,6 +383,8 @@ class TrainerConfig:
     update: Literal["lora", "full"] = "lora"  # publish a LoRA adapter per version, or the full weights (lora_* unused)
     device: str = "cpu"  # "cpu" or "cuda:N"
     devices: tuple[str, ...] = ()  # trainer ranks, one process each, FSDP2 over torch.distributed (gloo on "cpu", NCCL on "cuda:N"); empty = trainer.device alone
+    remote_ranks: int = 0  # more ranks, started on other hosts (`python -m pipeline.trainer_fsdp`, e.g. under torchrun; docs/gpus.md#trainer-ranks)
+    rendezvous: str = ""  # with remote_ranks: "tcp://THIS_HOST:PORT", where rank 0's store listens for them
     lr: float = 1e-2  # for the CPU demo's tiny random model; real models want ~1e-5 to 1e-4
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     betas: tuple[float, ...] = (0.9, 0.99)  # AdamW betas
@@ -421,6 +423,16 @@ class TrainerConfig:
                    self.devices)
             _check(self.separate_process, "trainer.devices",
                    "unset with trainer.separate_process = false (each rank is a process of its own)", self.devices)
+        _check(self.remote_ranks >= 0, "trainer.remote_ranks", ">= 0", self.remote_ranks)
+        if self.remote_ranks:
+            _check(bool(self.devices), "trainer.devices", "set when trainer.remote_ranks is (this host's ranks, "
+                   "rank 0 first)", self.devices)
+            _check(re.fullmatch(r"tcp://[^:/\s]+:\d{1,5}", self.rendezvous) is not None, "trainer.rendezvous",
+                   '"tcp://HOST:PORT" (this host\'s address, where the remote ranks connect) with trainer.remote_ranks',
+                   self.rendezvous)
+        else:
+            _check(not self.rendezvous, "trainer.rendezvous", "unset without trainer.remote_ranks (ranks on this host "
+                   "meet through a file)", self.rendezvous)
         _check(self.minibatches >= 1, "trainer.minibatches", ">= 1", self.minibatches)
         _check(self.epochs >= 1, "trainer.epochs", ">= 1", self.epochs)
         _check(self.lr >= 0 and math.isfinite(self.lr), "trainer.lr", ">= 0", self.lr)

@@ -26,7 +26,9 @@ Invariants:
 - Waits inside a call (the training group's collectives) are bounded by trainer.step_timeout_s.
   Between calls ranks other than 0 wait on the control group without a bound (the pipeline may
   idle for hours); each exits when rank 0's connection or its own parent is gone.
-- NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0) unless the environment sets it.
+- NCCL's NVLink multicast stays off (NCCL_NVLS_ENABLE=0) unless the environment sets it. Ranks
+  that are all on one host connect over the loopback interface only (GLOO_SOCKET_IFNAME and
+  NCCL_SOCKET_IFNAME = lo, set over the environment's).
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ def join(spec: RankSpec) -> None:
     control group."""
     global _group
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if spec.local:  # nothing but the other ranks of this host can connect
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if spec.local:  # nothing but the other ranks of this host can connect, whatever the environment says
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        os.environ["NCCL_SOCKET_IFNAME"] = "lo"
     kwargs: dict[str, Any] = {}
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.device)
@@ -363,7 +365,6 @@ def main(argv: list[str] | None = None) -> None:
 
     rank = --first-rank + LOCAL_RANK (torchrun sets it; 0 alone), its device cuda:LOCAL_RANK, or cpu."""
     import argparse
-    import logging
 
     p = argparse.ArgumentParser(prog="python -m pipeline.trainer_fsdp", description=main.__doc__)
     p.add_argument("--rendezvous", required=True, help="tcp://HOST:PORT of the pipeline's trainer.rendezvous")
@@ -372,11 +373,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="", help='"cpu", or cuda:LOCAL_RANK when unset')
     p.add_argument("--timeout-s", type=float, default=3600.0, help="trainer.step_timeout_s of the run")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    from pipeline.log import configure_logging
+
+    configure_logging(None, "info")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = a.first_rank + local_rank
+    if not 0 < rank < a.world_size:
+        p.error(f"rank {rank} (--first-rank {a.first_rank} + LOCAL_RANK {local_rank}) is not in 1..{a.world_size - 1}")
     device = a.device or f"cuda:{local_rank}"
-    devices = tuple(device if r == rank else "?" for r in range(a.world_size))
+    devices = tuple(device if r == rank else "remote" for r in range(a.world_size))
+    log.info("trainer_rank_joining", rank=rank, world_size=a.world_size, device=device, rendezvous=a.rendezvous)
     serve_follower(RankSpec(rank, a.world_size, devices, a.rendezvous, a.timeout_s, local=False))
 
 

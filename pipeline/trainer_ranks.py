@@ -5,9 +5,14 @@ request at a time, over a pipe); rank 0 hands every request on to the other rank
 (pipeline.trainer_fsdp). This side starts the ranks and watches them.
 
 Invariants:
-- The ranks meet at a FileStore in a fresh temporary directory (`file://`): no store listens on a
-  port. gloo and NCCL then connect the ranks to each other over the loopback interface only
-  (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = lo, unless the environment sets them).
+- Ranks of one host meet at a FileStore in a fresh temporary directory (`file://`): no store
+  listens on a port. gloo and NCCL then connect the ranks to each other over the loopback
+  interface only (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = lo, over what the environment says).
+- With trainer.remote_ranks, ranks of other hosts (`python -m pipeline.trainer_fsdp`) join at
+  trainer.rendezvous, a TCP store that rank 0 listens on, and the ranks' connections use any
+  interface: the one documented exception to "nothing listens" (docs/fault-tolerance.md#security).
+  Their processes are not this host's to watch: one that dies or hangs ends the call through the
+  collective that waits on it (an error on rank 0, or trainer.step_timeout_s).
 - Every wait for an answer also watches every rank: a rank that dies ends the call at once with
   a TrainerError naming the rank, its device and its exit code, and every other rank is killed
   (none keeps its device). A call that gets no answer within its bound (trainer.step_timeout_s;
@@ -97,7 +102,8 @@ class RankedTrainer(ProcessTrainer):
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *,
                  process: TrainerProcess | None = None, **kwargs: Any) -> None:
         super().__init__(model_path, cfg, loss_cfg, trainer_cls=LEADER, process=process, **kwargs)
-        self.devices = tuple(cfg.devices)
+        self.remote_ranks = cfg.remote_ranks
+        self.devices = (*cfg.devices, *(["remote"] * cfg.remote_ranks))  # remote ranks report nothing here
         self.world_size = len(self.devices)
         self._followers: list[tuple[Any, threading.Thread]] = []  # ranks 1.. : (process, event reader)
         self._rendezvous: str | None = None
@@ -110,13 +116,22 @@ class RankedTrainer(ProcessTrainer):
         return [self._proc.pid, *(p.pid for p, _ in self._followers)]
 
     def setup(self) -> None:
-        self._rendezvous = tempfile.mkdtemp(prefix="pipeline-ranks-")
-        init = f"file://{self._rendezvous}/store"
-        specs = [RankSpec(r, self.world_size, self.devices, init, self.step_timeout_s)
-                 for r in range(self.world_size)]
+        cfg = self._args[1]
+        if self.remote_ranks:  # rank 0's TCP store listens there for the ranks of other hosts
+            init = cfg.rendezvous
+        else:
+            self._rendezvous = tempfile.mkdtemp(prefix="pipeline-ranks-")
+            init = f"file://{self._rendezvous}/store"
+        local = not self.remote_ranks
+        specs = [RankSpec(r, self.world_size, self.devices, init, self.step_timeout_s, local=local)
+                 for r in range(len(cfg.devices))]
         log.info("trainer_ranks", world_size=self.world_size, devices=list(self.devices), backend=specs[0].backend,
-                 rendezvous=init)
-        self._followers = [spawn_follower(spec, self._args[1]) for spec in specs[1:]]
+                 rendezvous=init, remote_ranks=self.remote_ranks)
+        if self.remote_ranks:
+            log.info("trainer_ranks_waiting", rendezvous=init, first_remote_rank=len(specs), world_size=self.world_size,
+                     command=f"torchrun --standalone --nproc-per-node N -m pipeline.trainer_fsdp --rendezvous {init} "
+                             f"--first-rank {len(specs)} --world-size {self.world_size}")
+        self._followers = [spawn_follower(spec, cfg) for spec in specs[1:]]
         self._kwargs["ranks"] = specs[0]
         super().setup()
 

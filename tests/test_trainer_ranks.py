@@ -329,3 +329,83 @@ def test_run_py_on_two_ranks_learns_like_one_and_resumes_after_kill_9(tmp_path_f
     resumed = run_py("--resume", str(out))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     check_finished_run(out, 4, 8, 1)
+
+
+def test_a_rank_started_by_torchrun_elsewhere_joins_at_the_rendezvous(model_dir: Path, tmp_path: Path) -> None:
+    """trainer.remote_ranks: rank 1 is started as on another host, with the documented torchrun
+    command; the two ranks take the one-process step, and closing the trainer ends that rank."""
+    from pipeline.engines.vllm_serve import free_port
+
+    rendezvous = f"tcp://127.0.0.1:{free_port()}"
+    batch = _random_batch(seed=1, n=3, lengths=LENGTHS)
+    one = LoRATrainer(model_dir, _cfg(), LOSS, seed=0)
+    one.setup()
+    expected = one.step(batch)
+    t = RankedTrainer(model_dir, _cfg(devices=("cpu",), remote_ranks=1, rendezvous=rendezvous), LOSS, seed=0)
+    ready = threading.Thread(target=t.setup)
+    ready.start()  # rank 0 waits at the rendezvous for rank 1
+    remote = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
+         "pipeline.trainer_fsdp", "--rendezvous", rendezvous, "--first-rank", "1", "--world-size", "2",
+         "--device", "cpu"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready.join(120)
+        assert not ready.is_alive() and t.version == 0, "the remote rank did not join"
+        got = t.step(batch)
+        assert got.metrics["train/loss"] == pytest.approx(expected.metrics["train/loss"], rel=1e-5)
+        assert got.metrics["train/sequences"] == 9
+        t.close()
+        assert remote.wait(30) == 0
+    finally:
+        t.close()
+        if remote.poll() is None:
+            remote.kill()
+        log = remote.communicate()[0]
+    assert "trainer_rank_joining" in log and "trainer_rank_ready" in log, log[-3000:]
+
+
+def test_remote_ranks_need_a_tcp_rendezvous_and_local_ranks_none() -> None:
+    with pytest.raises(ConfigError, match=r'trainer.rendezvous must be "tcp://HOST:PORT"'):
+        TrainerConfig(devices=("cpu",), remote_ranks=1)
+    with pytest.raises(ConfigError, match=r"trainer.devices must be set when trainer.remote_ranks is"):
+        TrainerConfig(remote_ranks=1, rendezvous="tcp://h:1")
+    with pytest.raises(ConfigError, match=r"trainer.rendezvous must be unset without trainer.remote_ranks"):
+        TrainerConfig(devices=TWO, rendezvous="tcp://h:1")
+    assert TrainerConfig(devices=("cuda:0",), remote_ranks=4, rendezvous="tcp://10.0.0.1:29500").remote_ranks == 4
+
+
+def _listening(pid: int) -> list[str]:
+    """The local addresses process `pid` listens on (TCP, IPv4 and IPv6), as /proc shows them."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                found.append(f[1])
+    return found
+
+
+LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")  # 127.0.0.1 and ::1, as /proc writes them
+
+
+def test_ranks_of_one_host_listen_on_the_loopback_interface_only(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What docs/fault-tolerance.md#security states: ranks on one host meet through a file, and
+    gloo's connections between them accept on 127.0.0.1 alone (no store, no other interface),
+    even where the environment names another interface (a cluster's setting)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    t = _ranked(model_dir)
+    try:
+        t.step(_random_batch(seed=1, n=3))
+        addresses = [a for pid in t.pids for a in _listening(pid)]
+        assert addresses, "gloo's pairs listen somewhere: the check must see them"
+        assert all(a.startswith(LOOPBACK) for a in addresses), addresses
+    finally:
+        t.close()
