@@ -522,8 +522,7 @@ class LoRATrainer:
 
     _writes_versions = True  # a sharded trainer's ranks other than 0 gather the version and write nothing
 
-    @staticmethod
-    def _whole(p: torch.nn.Parameter) -> torch.Tensor:
+    def _whole(self, p: torch.nn.Parameter) -> torch.Tensor:
         """A parameter's whole value (a sharded trainer gathers it from every rank)."""
         return p.detach().contiguous()
 

@@ -138,16 +138,16 @@ class RankedTrainer(ProcessTrainer):
     def _answered(self, conn: Connection, timeout: float, method: str) -> bool:
         sentinels = {p.sentinel: (rank, p) for rank, (p, _) in enumerate(self._followers, start=1)}
         ready = wait([conn, *sentinels], timeout)
-        if conn in ready:
-            return True
-        for s in ready:  # a rank other than 0 died: rank 0 would wait on it until the collective's timeout
+        # a rank other than 0 that died is the news, even beside rank 0's answer: that answer may
+        # only be the end of its pipe (rank 0 failed in the collective that waited on the dead rank)
+        for s in (s for s in ready if s is not conn):
             rank, proc = sentinels[s]
             proc.join(1)
             code = proc.exitcode
             self._kill()
             raise TrainerError(f"trainer rank {rank} ({self.devices[rank]}) died (exit code {code}) during "
                                f"{method}; every rank was stopped. `--resume` continues from the last checkpoint")
-        return False
+        return conn in ready
 
     def _no_answer(self, method: str, limit: str) -> str:
         pids = self.pids
