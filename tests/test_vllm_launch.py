@@ -82,19 +82,19 @@ def _none_left(pgids: list[int], timeout_s: float = 10.0) -> list[int]:
     return left
 
 
-def _config(tmp: Path, steps: int, cache: Path) -> Path:
+def _config(factory: pytest.TempPathFactory, name: str, steps: int) -> tuple[Path, Path]:
+    """(config file, run directory) of a run of `steps` steps, the tiny model shared between tests."""
+    tmp = factory.mktemp(name)
     path = tmp / "run.toml"
-    path.write_text(RUN.format(cache=cache, steps=steps))
-    return path
+    path.write_text(RUN.format(cache=factory.getbasetemp() / "model-cache", steps=steps))
+    return path, tmp / "run"
 
 
 @pytest.mark.slow
 def test_a_run_on_two_launched_servers_accounts_for_every_group_and_leaves_none(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    cache = tmp_path_factory.getbasetemp() / "model-cache"
-    tmp = tmp_path_factory.mktemp("launch")
-    out = tmp / "run"
-    done = run_py("--config", str(_config(tmp, 6, cache)), "--out", str(out), timeout=300)
+    config, out = _config(tmp_path_factory, "launch", 6)
+    done = run_py("--config", str(config), "--out", str(out), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accounting_ok"] and summary["steps"] == 6 and summary["groups_trained"] == 24
@@ -115,10 +115,8 @@ def test_a_run_on_two_launched_servers_accounts_for_every_group_and_leaves_none(
 @pytest.mark.slow
 def test_a_launched_server_that_dies_is_restarted_and_a_killed_run_leaves_no_server(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    cache = tmp_path_factory.getbasetemp() / "model-cache"
-    tmp = tmp_path_factory.mktemp("launch-faults")
-    out = tmp / "run"
-    run = start_run_py("--config", str(_config(tmp, 400, cache)), "--out", str(out))
+    config, out = _config(tmp_path_factory, "launch-faults", 400)
+    run = start_run_py("--config", str(config), "--out", str(out))
     try:
         wait_for_steps(run, out, 2, limit_s=120)
         first = [e for e in _events(out) if e.get("event") == "vllm_serve_started"]

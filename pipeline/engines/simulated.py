@@ -155,7 +155,9 @@ class SimulatedEngine:
         """Refuse calls on a closed or dead engine; count `groups` towards `die_after`."""
         if self._closed:
             raise EngineDeadError(f"engine {self.name} is closed")
-        if self.cfg.die_after and self._groups_since_start >= self.cfg.die_after:
+        # at most die_after groups a life: a wave that would pass the limit is refused whole
+        if self.cfg.die_after and (self._groups_since_start >= self.cfg.die_after
+                                   or self._groups_since_start + groups > self.cfg.die_after):
             raise EngineDeadError(f"engine {self.name} died (injected: engine.simulated.die_after = "
                                   f"{self.cfg.die_after} groups)")
         self._groups_since_start += groups
