@@ -6,7 +6,7 @@ On the pipe, each event is its JSON prefixed by its length (_FRAME).
 
 Invariants:
 - The child's structlog events are the run's events: each is rendered to JSON in the child,
-  tagged `process="trainer"` and `pid`, and written to a pipe that a thread of the parent reads
+  tagged `process="trainer"` (a trainer rank > 0: "trainer-rank-N") and `pid`, and written to a pipe that a thread of the parent reads
   and hands to the parent's logging handlers, so they land in events.jsonl (and on the console)
   under the parent's level filtering, with the child's own timestamp. The child logs at the
   level it is given (the parent's `pipeline` loggers' level at setup).

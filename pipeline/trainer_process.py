@@ -162,6 +162,7 @@ def run_call(trainer: Any, method: str, margs: Sequence[Any]) -> Any:
 def _follow(events: Connection, floor: int, spec: Any, threads_cfg: TrainerConfig, priority: tuple[int, bool]) -> None:
     """A trainer rank other than 0 (pipeline.trainer_fsdp): it serves rank 0's requests, not a pipe."""
     shipper = _child_start(events, floor, priority)
+    shipper.tags["process"] = f"trainer-rank-{spec.rank}"  # rank 0 is "trainer", as a one-device trainer
     code = 0
     try:
         _set_threads(threads_cfg)

@@ -321,7 +321,8 @@ def test_run_py_on_two_ranks_learns_like_one_and_resumes_after_kill_9(tmp_path_f
     events = [json.loads(line) for line in (tmp / "two" / "events.jsonl").read_text().splitlines()]
     ranks = [e for e in events if e.get("event") == "trainer_ranks"]
     assert ranks and ranks[0]["world_size"] == 2 and ranks[0]["devices"] == ["cpu", "cpu"]
-    assert sorted(e["rank"] for e in events if e.get("event") == "trainer_rank_ready") == [0, 1]
+    ready = {e["rank"]: e["process"] for e in events if e.get("event") == "trainer_rank_ready"}
+    assert ready == {0: "trainer", 1: "trainer-rank-1"}  # each rank's events in the run's, named
 
     out = tmp / "killed"
     first = run_py("--config", str(tmp / "two.toml"), "--out", str(out), crash="step.after_train:4")
