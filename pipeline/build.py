@@ -35,10 +35,9 @@ def check_devices(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool)
     named: list[tuple[str, str]] = []
     if builds_engines and cfg.engine.kind in ("transformers", "vllm"):
         named += [(f"engine.devices[{i}]", d) for i, d in enumerate(cfg.engine.devices)]
-    if builds_trainer and cfg.trainer.kind == "peft" and cfg.trainer.devices:
-        named += [(f"trainer.devices[{i}]", d) for i, d in enumerate(cfg.trainer.devices)]
-    elif builds_trainer and cfg.trainer.kind == "peft":
-        named.append(("trainer.device", cfg.trainer.device))
+    if builds_trainer and cfg.trainer.kind == "peft":
+        named += [(f"trainer.devices[{i}]" if cfg.trainer.devices else "trainer.device", d)
+                  for i, d in enumerate(cfg.trainer.rank_devices)]
     check_cuda_devices(named)
 
 
@@ -231,8 +230,8 @@ def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed
     gates = {device: asyncio.Lock() for device in cfg.engine.devices}
     for i, device in enumerate(cfg.engine.devices):
         server = VLLMServeProcess(
-            model_path, log_dir / f"vllm-server-{i}.log", device=device, host=sc.host, port=sc.port + i if sc.port else 0,
-            gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
+            model_path, log_dir / f"vllm-server-{i}.log", device=device, host=sc.host,
+            port=sc.port + i if sc.port else 0, gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
             max_num_seqs=vc.max_num_seqs, max_lora_rank=vc.max_lora_rank,
             max_loras=sc.max_loaded_adapters or K + 2, enforce_eager=vc.enforce_eager,
             extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), program=sc.command or VLLM_SERVE)
@@ -265,7 +264,6 @@ def build_trainer(cfg: RunConfig, model_path: str | None, process: Any = None) -
         return SimulatedTrainer(cfg.trainer.step_s, update=cfg.trainer.update)
     from pipeline.trainer import LoRATrainer
     from pipeline.trainer_process import ProcessTrainer
-
     from pipeline.trainer_ranks import RankedTrainer
 
     tc = cfg.trainer

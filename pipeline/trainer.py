@@ -134,24 +134,35 @@ class LoRATrainer:
             # warn_only: an op without a deterministic kernel warns (in the log) rather than stop the run
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(self.seed)
-        base = load_causal_lm(self.model_path, self.cfg.device, self.cfg.dtype, self.trust_remote_code)
+        device = self._load_device()
+        base = load_causal_lm(self.model_path, device, self.cfg.dtype, self.trust_remote_code)
         tok = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
         model = self._full_model(base) if self.full else self._lora_model(base)
         if self.full and self.loss_cfg.kl_coef > 0:  # LoRA's reference is the base with the adapter off: free
-            self.reference = load_causal_lm(self.model_path, self.cfg.device, self.cfg.dtype, self.trust_remote_code)
+            self.reference = load_causal_lm(self.model_path, device, self.cfg.dtype, self.trust_remote_code)
             self.reference.eval().requires_grad_(False)
         model.train()
         self.model = model
-        # parameters() yields a tied weight (lm_head = embed_tokens) once, so AdamW steps it once
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=tuple(self.cfg.betas),
-                                           weight_decay=self.cfg.weight_decay)
         self._snapshots = {}
         self._layout = None
+        self._place()
+        # parameters() yields a tied weight (lm_head = embed_tokens) once, so AdamW steps it once
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=tuple(self.cfg.betas),
+                                           weight_decay=self.cfg.weight_decay)
         log.info("trainer_ready", device=self.cfg.device, update=self.cfg.update,
                  trainable_params=sum(p.numel() for p in params),
                  lora_rank=None if self.full else self.cfg.lora_rank)
+
+    # a sharded trainer's ranks load on the CPU and then shard onto their devices (pipeline.trainer_fsdp)
+    def _load_device(self) -> str:
+        """Where setup loads the model: the trainer's device."""
+        return self.cfg.device
+
+    def _place(self) -> None:
+        """The model (and the KL reference) as built, before the optimizer takes its parameters:
+        already in place here."""
 
     @staticmethod
     def _full_model(base: torch.nn.Module) -> torch.nn.Module:
@@ -428,7 +439,8 @@ class LoRATrainer:
         """Copy the current version's trainable weights to the CPU before a step changes them, so
         log-probs can be recomputed under it later (skipped when only the current version is kept)."""
         if self.keep_versions > 1:
-            self._snapshots[self.version] = {n: p.detach().to("cpu", copy=True) for n, p in self._trainable()}
+            self._snapshots[self.version] = {n: self._state_view(p).detach().to("cpu", copy=True)
+                                             for n, p in self._trainable()}
 
     def kept_versions(self) -> list[int]:
         """The versions `recompute_logprobs` can use: the older ones kept, and the current one."""
@@ -574,9 +586,9 @@ class LoRATrainer:
         """
         self._apply_state(self._read_state(Path(directory)), Path(directory))
 
-    # a sharded trainer's ranks save and load their own shards of each tensor (pipeline.trainer_fsdp)
+    # a sharded trainer's ranks save, load and keep their own shards of each tensor (pipeline.trainer_fsdp)
     def _state_view(self, t: torch.Tensor) -> torch.Tensor:
-        """What the state holds of a parameter or moment: here all of it."""
+        """What the state (and a kept older version) holds of a parameter or moment: here all of it."""
         return t
 
     def _as_moment(self, p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:

@@ -165,21 +165,19 @@ class FSDPTrainer(LoRATrainer):
 
     # ------------------------------------------------------------------ building
 
-    def setup(self) -> None:
-        """Load the model on the CPU, wrap it (LoRA or every weight trainable), shard it: each rank's
-        device then holds its shard of the weights (and AdamW's state) only."""
+    def _load_device(self) -> str:
+        return "cpu"  # each rank's device holds only its shard, once _place has sharded the model
+
+    def _place(self) -> None:
+        """Shard the model (and the KL reference) per decoder layer and at the root; fully_shard moves
+        each rank's shards to its device, so the optimizer LoRATrainer.setup builds next holds
+        (and steps) this rank's shard of every parameter."""
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        device = self.cfg.device
-        self.cfg = replace(self.cfg, device="cpu")  # LoRATrainer.setup loads there; fully_shard moves the shards
-        try:
-            super().setup()
-        finally:
-            self.cfg = replace(self.cfg, device=device)
         if not self.full:
             self._lora_layout()  # from the unsharded adapter: the names peft saves
-        mesh = init_device_mesh(device.split(":")[0], (self.world,))
+        mesh = init_device_mesh(self.cfg.device.split(":")[0], (self.world,))
         for model in (self.model, self.reference):
             if model is None:
                 continue
@@ -194,11 +192,9 @@ class FSDPTrainer(LoRATrainer):
                 # reductions: gloo has no PREMUL_SUM
                 m.set_gradient_divide_factor(1.0)
                 m.set_force_sum_reduction_for_comms(True)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=tuple(self.cfg.betas),
-                                           weight_decay=self.cfg.weight_decay)
-        log.info("trainer_rank_ready", rank=self.rank, world_size=self.world, device=device,
-                 backend=self.spec.backend, shard_params=sum(_local(p).numel() for p in params))
+        log.info("trainer_rank_ready", rank=self.rank, world_size=self.world, device=self.cfg.device,
+                 backend=self.spec.backend,
+                 shard_params=sum(_local(p).numel() for p in self.model.parameters() if p.requires_grad))
 
     # ------------------------------------------------------------------ the step, split
 
@@ -252,10 +248,6 @@ class FSDPTrainer(LoRATrainer):
 
     # ------------------------------------------------------------------ older versions, kept as local shards
 
-    def _keep_current_version(self) -> None:
-        if self.keep_versions > 1:
-            self._snapshots[self.version] = {n: _local(p).to("cpu", copy=True) for n, p in self._trainable()}
-
     @contextlib.contextmanager
     def _weights_of(self, version: int) -> Iterator[None]:
         """Copy an older version's shards into place and the current ones back after (FSDP2 owns
@@ -279,8 +271,7 @@ class FSDPTrainer(LoRATrainer):
     # ------------------------------------------------------------------ versions, gathered
 
     def _whole(self, p: torch.nn.Parameter) -> torch.Tensor:
-        full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        return full.to("cpu").contiguous()
+        return p.detach().full_tensor().to("cpu")  # an all-gather: every rank calls it, in the same order
 
     def save_adapter(self, directory: Path) -> None:
         if not self.full:
@@ -306,8 +297,6 @@ class FSDPTrainer(LoRATrainer):
     def _as_moment(self, p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        if not isinstance(p, DTensor):
-            return t
         return DTensor.from_local(t.to(_local(p).device), p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
 

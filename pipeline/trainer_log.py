@@ -6,10 +6,10 @@ On the pipe, each event is its JSON prefixed by its length (_FRAME).
 
 Invariants:
 - The child's structlog events are the run's events: each is rendered to JSON in the child,
-  tagged `process="trainer"` (a trainer rank > 0: "trainer-rank-N") and `pid`, and written to a pipe that a thread of the parent reads
-  and hands to the parent's logging handlers, so they land in events.jsonl (and on the console)
-  under the parent's level filtering, with the child's own timestamp. The child logs at the
-  level it is given (the parent's `pipeline` loggers' level at setup).
+  tagged `process="trainer"` (a trainer rank > 0: "trainer-rank-N") and `pid`, and written to a
+  pipe that a thread of the parent reads and hands to the parent's logging handlers, so they land
+  in events.jsonl (and on the console) under the parent's level filtering, with the child's own
+  timestamp. The child logs at the level it is given (the parent's `pipeline` loggers' level at setup).
 - The child never waits on the pipe: what it cannot take at once waits in a bounded buffer
   (_PENDING_LIMIT), in order; events beyond that are dropped, counted and reported by a
   `trainer_log_events_dropped` warning once the buffer has drained.

@@ -29,9 +29,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -51,7 +51,7 @@ class RankSpec:
 
     rank: int
     world_size: int
-    devices: tuple[str, ...]  # the device of every rank (remote ranks: as they reported them)
+    devices: tuple[str, ...]  # the device of every rank ("remote" for one this host does not know)
     init_method: str  # torch.distributed's rendezvous: file:// on one host, tcp:// across hosts
     timeout_s: float  # trainer.step_timeout_s: the bound of every collective inside a call
     local: bool = True  # every rank on this host: gloo and NCCL talk over the loopback interface only
@@ -65,26 +65,17 @@ class RankSpec:
         return "nccl" if self.device.startswith("cuda") else "gloo"
 
 
-def _leader_cls() -> Any:
-    from pipeline.trainer_fsdp import leader  # imports torch: only in the ranks' processes
+def leader(*args: Any, **kwargs: Any) -> Any:
+    """Rank 0's trainer (pipeline.trainer_fsdp.leader), named here so that the pipeline's process
+    does not import torch: sent by reference, resolved in rank 0's process."""
+    from pipeline.trainer_fsdp import leader as build
 
-    return leader
-
-
-class _Leader:
-    """Stands for pipeline.trainer_fsdp.leader as rank 0's trainer class, so the pipeline's process
-    names it without importing torch: pickled by reference, resolved in rank 0's process."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _leader_cls()(*args, **kwargs)
-
-
-LEADER = _Leader()
+    return build(*args, **kwargs)
 
 
 def early_process(cfg: TrainerConfig) -> TrainerProcess:
     """Rank 0's process, started before the model exists (as build.early_trainer_process does for one device)."""
-    return TrainerProcess(cfg, trainer_cls=LEADER)
+    return TrainerProcess(cfg, trainer_cls=leader)
 
 
 def _process_state(pid: int | None) -> str:
@@ -101,7 +92,7 @@ class RankedTrainer(ProcessTrainer):
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *,
                  process: TrainerProcess | None = None, **kwargs: Any) -> None:
-        super().__init__(model_path, cfg, loss_cfg, trainer_cls=LEADER, process=process, **kwargs)
+        super().__init__(model_path, cfg, loss_cfg, trainer_cls=leader, process=process, **kwargs)
         self.remote_ranks = cfg.remote_ranks
         self.devices = (*cfg.devices, *(["remote"] * cfg.remote_ranks))  # remote ranks report nothing here
         self.world_size = len(self.devices)
