@@ -80,7 +80,8 @@ def test_two_ranks_take_the_one_process_trainers_step(model_dir: Path, tmp_path:
             if k.endswith("_s"):  # seconds
                 continue
             assert got.metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
-        assert 0 < got.metrics["train/rank_step_max_s"] <= got.t_end - got.t_start + 1e-3
+        # the slowest rank's step: rank 0's own (t_start to t_end) or a later rank's, never less
+        assert got.metrics["train/rank_step_max_s"] >= got.t_end - got.t_start > 0
         assert expected.metrics["train/sequences"] == 9 and expected.metrics["train/optimizer_steps"] == 2
         a, b = _weights(one, tmp_path / "one", update), _weights(two, tmp_path / "two", update)
         assert a.keys() == b.keys()
