@@ -56,7 +56,7 @@ from pipeline.rewards import RewardFn, RewardScorer
 from pipeline.rotation import EngineRotation
 from pipeline.runtime import Runtime, Supervisor
 from pipeline.scoring import Scoring, Texts, reward_names
-from pipeline.session import continue_trainer, open_session, refuse_existing_run, write_config
+from pipeline.session import continue_trainer, open_run_dir, open_session, refuse_existing_run
 from pipeline.training import Training
 from pipeline.versions import VersionPins, Versions
 
@@ -137,6 +137,8 @@ class Pipeline:
             refuse_existing_run(self.run_dir)  # before anything is written: the files there are another run's
         queue: asyncio.Queue[Any] = asyncio.Queue()
         runner = asyncio.get_running_loop().create_task(self._run(queue), name="pipeline-run")
+        # however the run ends (an error before its first line of set-up included), the wait below ends
+        runner.add_done_callback(lambda _: queue.put_nowait(_DONE))
         try:
             while (item := await queue.get()) is not _DONE:
                 yield item
@@ -170,9 +172,8 @@ class Pipeline:
     # ================================================================== the run
 
     async def _run(self, queue: asyncio.Queue[Any]) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if not self._resume:  # a resumed run's config.toml is replaced only once the session accepts the resume
-            write_config(self.config, self.run_dir)
+        """The whole run; `queue` gets each step's StepResult."""
+        open_run_dir(self.config, self.run_dir, resume=self._resume)
         configure_logging(self.run_dir, self.config.log.level, console=self._console)
         self._queue = queue
         self.supervisor = Supervisor()
@@ -195,10 +196,7 @@ class Pipeline:
                 log.error("run_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
             raise
         finally:
-            try:
-                await self._shutdown(error)
-            finally:
-                queue.put_nowait(_DONE)
+            await self._shutdown(error)
 
     async def _setup(self) -> None:
         """Build the components in data-flow order: prompts and rewards, model and tokenizer, the session

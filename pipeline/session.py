@@ -64,6 +64,21 @@ def write_config(cfg: RunConfig, run_dir: Path) -> None:
     (run_dir / "config.toml").write_text(dump_toml(replace(cfg, out=str(run_dir))), encoding="utf-8")
 
 
+def open_run_dir(cfg: RunConfig, run_dir: Path, *, resume: bool) -> None:
+    """Make the run directory and, for a fresh run, write its config.toml there.
+
+    ConfigError naming `out` when either cannot be done (a file in the way, no permission, a full
+    disk): nothing has been produced yet, so the run is refused like any bad config value."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not resume:  # a resumed run's config.toml is replaced only once the session accepts the resume
+            write_config(cfg, run_dir)
+    except OSError as e:
+        what = e.strerror or type(e).__name__
+        raise ConfigError(f"out: cannot use {str(run_dir)!r} as the run directory: {what}"
+                          + (f" ({e.filename})" if e.filename and str(e.filename) != str(run_dir) else "")) from e
+
+
 def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fingerprint: dict[str, Any],
                  total: int | None, model_path: str | None) -> Session:
     """Start the run in `run_dir`, or resume it from its newest checkpoint (ConfigError if it cannot)."""

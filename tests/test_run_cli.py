@@ -222,6 +222,21 @@ def test_a_failed_run_exits_1_and_leaves_its_traceback_in_events_jsonl(tmp_path:
     assert "EngineDeadError: no engine is left in rotation" in failed["exception"]
 
 
+@pytest.mark.parametrize("make_out, named", [
+    (lambda d: (d / "a-file").touch() or d / "a-file", ["a-file", "File exists"]),
+    (lambda d: Path("/proc/no-such-dir"), ["/proc/no-such-dir"]),
+    # config.toml on a device that is always full: the first write of the run meets ENOSPC
+    (lambda d: (d / "full").mkdir() or (d / "full" / "config.toml").symlink_to("/dev/full") or d / "full",
+     ["full", "No space left on device"]),
+])
+def test_a_run_directory_that_cannot_be_made_or_written_is_exit_2_naming_out(tmp_path: Path, make_out: Any,
+                                                                           named: list[str]) -> None:
+    # this run used to hang silently forever: the step loop waited for an end nobody announced
+    proc = run_py("--steps", "1", "--out", str(make_out(tmp_path)), timeout=60)
+    assert proc.returncode == 2, proc
+    _assert_one_error_line(proc.stderr, "out: cannot use", *named)
+
+
 @pytest.fixture(scope="module")
 def bad_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("models")
