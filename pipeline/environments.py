@@ -15,7 +15,9 @@ any callable taking no argument and returning one environment). One instance pla
 (`{"role", "content"}` dicts); a tool's result is a `{"role": "tool", ...}` message.
 
 `EnvRunner` adapts any environment uniformly. Invariants:
-- Sync methods run in a worker thread, never on the event loop; async ones are awaited.
+- Sync methods run in a worker thread, never on the event loop; async ones are awaited. The
+  threads are daemons of their own (`pipeline.threads.DaemonThreads`), one per call: a step
+  that never returns holds neither a worker another call needs nor the process at exit.
 - Every reset and step runs under `step_timeout_s`; one that takes longer raises
   `EnvTimeoutError` (reason "env_timeout"). One that raises, or returns something that is not a
   valid observation / EnvStep, raises `EnvError` (reason "env_error") naming the environment and
@@ -26,7 +28,7 @@ any callable taking no argument and returning one environment). One instance pla
   timeout or `done`, the runner takes no further step.
 - `close()` is safe to call twice and never raises: the episode's result is complete by then.
 - A sync call that times out goes on in its thread until it returns (a thread cannot be stopped);
-  its runner has finished, and its result is dropped.
+  its runner has finished, its result is dropped, and the run ends on time whatever it does.
 
 `ToolEnvironment` is a base class for tool use: its public methods (or the `tools` given) are the
 tools; an action holding a call runs it and observes the result, an action without one ends the
@@ -50,6 +52,7 @@ import structlog
 
 from pipeline.errors import ConfigError, RecoverableError
 from pipeline.rewards import load_reward_function
+from pipeline.threads import USER_CODE
 
 log = structlog.get_logger(__name__)
 
@@ -132,7 +135,7 @@ def _name(env: Any) -> str:
 class EnvRunner:
     """One environment instance, made safe to await: off the loop, under a timeout, its output checked.
 
-    `executor`: where sync methods run (None: the loop's default executor, as `asyncio.to_thread`).
+    `executor`: where sync methods run (None: a daemon thread per call, `pipeline.threads.USER_CODE`).
     The timeout counts from the call, so an executor with fewer workers than live episodes makes
     steps wait for a worker inside their timeout.
     """
@@ -169,7 +172,8 @@ class EnvRunner:
                 else:
                     loop = asyncio.get_running_loop()
                     # contextvars travel with the call (as asyncio.to_thread does): log fields stay bound
-                    out = await loop.run_in_executor(executor, contextvars.copy_context().run, fn, *args)
+                    out = await loop.run_in_executor(executor or USER_CODE, contextvars.copy_context().run,
+                                                     fn, *args)
                 if inspect.isawaitable(out):  # a sync method returning a coroutine: awaited here, on the loop
                     out = await out
                 return out

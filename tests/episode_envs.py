@@ -66,6 +66,23 @@ class Flaky(Echo):
         return super().step(action)
 
 
+class Stuck(Echo):
+    """Echo whose step never returns on rows with an id ending in 7: a user's thread stuck for good."""
+
+    def step(self, action: str) -> EnvStep:
+        while str(self.row["id"]).endswith("7"):
+            time.sleep(0.05)
+        return super().step(action)
+
+
+class StuckAlways(Echo):
+    """Echo whose every step never returns."""
+
+    def step(self, action: str) -> EnvStep:
+        while True:
+            time.sleep(0.05)
+
+
 class Endless(Echo):
     """Never done."""
 

@@ -8,6 +8,7 @@ wrong" run run.py for real, with the simulated engine and trainer (a few seconds
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import types
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, load_script, run_py
+from conftest import REPO, load_script, run_py, start_run_py, wait_for_steps
 
 # run.py is a script at the repository root, not part of the package: load it by path
 run = load_script(REPO / "run.py", "run_cli")
@@ -235,6 +236,50 @@ def test_a_run_directory_that_cannot_be_made_or_written_is_exit_2_naming_out(tmp
     proc = run_py("--steps", "1", "--out", str(make_out(tmp_path)), timeout=60)
     assert proc.returncode == 2, proc
     _assert_one_error_line(proc.stderr, "out: cannot use", *named)
+
+
+_STUCK = ("--set", "env.step_timeout_s=1", "--set", 'env.reward="env"', "--set", "env.max_turns=2")
+
+
+@pytest.mark.slow
+def test_a_run_ends_on_time_while_an_environment_step_never_returns(tmp_path: Path) -> None:
+    # the hung steps' threads used to keep the process alive for ever after run_finished, and once
+    # they held every worker of the default executor nothing else ran off the loop: no summary
+    run_dir = tmp_path / "run"
+    proc = _sim_cli("--steps", "4", "--set", 'env.factory="tests/episode_envs.py:Stuck"', *_STUCK,
+                    "--out", str(run_dir), timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["accounting_ok"]
+    assert summary["groups_failed"].get("env_timeout", 0) >= 1, summary["groups_failed"]
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_environment_step_hangs_fails_on_time_with_its_summary(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = _sim_cli("--steps", "4", "--set", 'env.factory="tests/episode_envs.py:StuckAlways"', *_STUCK,
+                    "--out", str(run_dir), timeout=120)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    _last_error_line(proc.stderr, "groups failed in a row", "env_timeout")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["accounting_ok"]
+    assert summary["groups_failed"]["env_timeout"] >= 1
+
+
+@pytest.mark.slow
+def test_one_ctrl_c_stops_a_run_whose_environment_step_never_returns(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_run_py(*_SIM, "--steps", "1000", "--set", 'env.factory="tests/episode_envs.py:Stuck"', *_STUCK,
+                        "--out", str(run_dir))
+    try:
+        wait_for_steps(proc, run_dir, 2, limit_s=60)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert "--resume" in err.splitlines()[-1]
+    assert json.loads((run_dir / "summary.json").read_text())["stopped_by"] == "SIGINT"
 
 
 @pytest.fixture(scope="module")
