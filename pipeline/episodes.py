@@ -12,6 +12,8 @@ Invariants:
 - Token in, token out: the policy's sampled tokens are never decoded and encoded again. An
   episode's completion is its sampled tokens and the environment's reply tokens in order, and
   each turn's prompt is the group's prompt followed by exactly those tokens.
+- An environment with tools (`ToolUser`) has their JSON schemas shown by the chat template in
+  the prompt (its `tools`), and in every reply rendered after it; such an episode is a chat.
 - `Completion.mask` is True on the sampled tokens only; `logprobs` holds the engine's value
   there and 0 on reply tokens. `turns` counts the policy's turns; `env_reward` sums the
   environment's rewards over its steps.
@@ -36,7 +38,7 @@ import numpy as np
 import structlog
 
 from pipeline.config import EnvConfig
-from pipeline.environments import EnvError, EnvRunner
+from pipeline.environments import EnvError, EnvRunner, ToolUser, tool_schemas
 from pipeline.errors import GenerationError
 from pipeline.faults import crash_point
 from pipeline.prompts import PromptBuilder, PromptError, render_observation
@@ -53,6 +55,14 @@ class EpisodeRows:
     def build(self, item: Any) -> Prompt:
         row = dict(item) if isinstance(item, Mapping) else {"prompt": item}
         return Prompt(id=str(row.get("id", "")), text="", token_ids=(), meta=row)
+
+
+@dataclass(frozen=True)
+class _Framing:
+    """How a group's conversation is rendered after its prompt."""
+
+    chat: bool  # replies are chat turns of the template (else their text as it is)
+    tools: list[dict[str, Any]] | None  # the tool schemas the template shows, as in the prompt
 
 
 @dataclass
@@ -109,7 +119,7 @@ class Episodes:
             for r in runners:
                 if isinstance(r, BaseException):
                     raise r
-            prompt, chat = await self._start(request.prompt, episodes)
+            prompt, framing = await self._start(request.prompt, episodes)
             if self._room(prompt, 0) < 1:
                 raise EnvError(f"prompt {prompt.id!r} has {len(prompt.token_ids)} tokens: no room for a turn within "
                                f"the episode's budget of {self.budget}", reason="env_prompt_too_long")
@@ -118,7 +128,7 @@ class Episodes:
             for ep, c in zip(episodes, gen[0].completions):
                 ep.add(c)
             while True:
-                await self._step(prompt, chat, [ep for ep in episodes if not ep.finish])
+                await self._step(prompt, framing, [ep for ep in episodes if not ep.finish])
                 live = [ep for ep in episodes if not ep.finish]
                 if not live:
                     break
@@ -136,9 +146,9 @@ class Episodes:
                           tuple(ep.completion() for ep in episodes), version=adapter.version, engine=engine.name,
                           t_start=t_start, t_end=time.monotonic())
 
-    async def _start(self, row_prompt: Prompt, episodes: list[_Episode]) -> tuple[Prompt, bool]:
-        """Reset every episode's environment on the row: their common first observation as the prompt,
-        and whether it is a chat (the replies are rendered as chat turns then)."""
+    async def _start(self, row_prompt: Prompt, episodes: list[_Episode]) -> tuple[Prompt, _Framing]:
+        """Reset every episode's environment on the row: their common first observation as the prompt
+        (with the environment's tool schemas), and how the replies after it are rendered."""
         row = dict(row_prompt.meta)
         first = await asyncio.gather(*(ep.env.reset(row) for ep in episodes))
         if any(obs != first[0] for obs in first[1:]):
@@ -146,9 +156,11 @@ class Episodes:
                            "observations; reset(row) must depend on the row only (the group shares one prompt)")
         field_name = self.builder.prompt_field
         item = {**{k: v for k, v in row.items() if k != field_name}, "id": row_prompt.id, field_name: first[0]}
-        chat = self.builder.apply_chat_template or not isinstance(first[0], str)
+        env = episodes[0].env.env
+        tools = (tool_schemas(env.tools) or None) if isinstance(env, ToolUser) else None
+        chat = bool(tools) or self.builder.apply_chat_template or not isinstance(first[0], str)
         try:
-            return self.builder.build(item), chat
+            return self.builder.build(item, tools=tools), _Framing(chat, tools)
         except PromptError as e:
             raise EnvError(f"the first observation of prompt {row_prompt.id!r} cannot be a prompt: {e}",
                            reason=f"env_prompt_{e.reason}") from e
@@ -180,7 +192,7 @@ class Episodes:
         self.turns += sum(r.n for r in requests)
         return results
 
-    async def _step(self, prompt: Prompt, chat: bool, live: list[_Episode]) -> None:
+    async def _step(self, prompt: Prompt, framing: _Framing, live: list[_Episode]) -> None:
         """Each live episode's environment takes the turn just sampled; its reply is appended, or it ends."""
         actions = [self.tokenizer.decode(ep.last.token_ids.tolist(), skip_special_tokens=True) for ep in live]
         results = await asyncio.gather(*(ep.env.step(a) for ep, a in zip(live, actions)), return_exceptions=True)
@@ -198,9 +210,9 @@ class Episodes:
                 ep.finish = "max_turns"  # the turns are spent before the environment was done
                 continue
             try:
-                reply = render_observation(self.tokenizer, step.observation, chat=chat,
+                reply = render_observation(self.tokenizer, step.observation, chat=framing.chat,
                                            chat_template=self.builder.chat_template,
-                                           turn_ended=ep.last.finish_reason == "stop")
+                                           turn_ended=ep.last.finish_reason == "stop", tools=framing.tools)
             except PromptError as e:
                 raise EnvError(f"environment {ep.env.name}: its observation cannot be rendered: {e}") from e
             if self.budget is not None and len(prompt.token_ids) + len(ep.tokens) + len(reply) >= self.budget:

@@ -190,12 +190,12 @@ class Evaluator:
                                              step, None, None, t0, now))
             elif not isinstance(scored, tuple):  # a RewardError
                 log.warning("eval_group_failed", step=step, group_id=request.group_id, error=str(scored))
-                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "reward_error",
+                outcomes.append(GroupOutcome(request.group_id, r.request.prompt, version, "eval", "reward_error",
                                              step, r, None, t0, now))
-            else:
+            else:  # r.request.prompt: an episode group's prompt is its first observation, known once generated
                 rewards.append(scored[0])
                 parts.append(scored[1])
-                outcomes.append(GroupOutcome(request.group_id, request.prompt, version, "eval", "", step, r,
+                outcomes.append(GroupOutcome(request.group_id, r.request.prompt, version, "eval", "", step, r,
                                              scored[0], t0, now))
         # one moment on the loop: the round's rows and its metrics row appear together, or neither does
         self.outcomes.record_eval(outcomes)

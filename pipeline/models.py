@@ -56,8 +56,9 @@ log = structlog.get_logger(__name__)
 
 # Bump when what build_model writes changes, so stale caches are rebuilt rather than reused.
 # 2: wider embedding init (learnable); 3: embed_std per shape ("small" was degenerate);
-# 4: byte-level tokenizer (the character one lost spaces and non-ASCII once loaded) and a chat template
-FORMAT_VERSION = 4
+# 4: byte-level tokenizer (the character one lost spaces and non-ASCII once loaded) and a chat template;
+# 5: the chat template renders `tools` (Qwen2.5's system block)
+FORMAT_VERSION = 5
 
 
 def _byte_symbols() -> tuple[str, ...]:
@@ -73,10 +74,23 @@ BYTE_SYMBOLS = _byte_symbols()
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")
 EOS_ID = len(BYTE_SYMBOLS)  # the special tokens follow the bytes
-# ChatML, as Qwen2's tokenizers render it (without their default system message).
+# ChatML, as Qwen2's tokenizers render it (without their default system message). With `tools`,
+# Qwen2.5's system block: the tools' JSON schemas between <tools> tags and the <tool_call> format,
+# after the conversation's own system message if it has one.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -9,6 +9,9 @@ Invariants:
 - A message list is rendered with the chat template and its generation prompt, then tokenized
   without added special tokens (the template writes its own); a string is taken as it is unless
   `apply_chat_template`, when it becomes one user message. `Prompt.text` is what the model sees.
+- `tools` (an environment's tool schemas) go to the template as its `tools`, as TRL and
+  verifiers pass them: a prompt with tools is always a conversation (a string becomes one user
+  message), since only a template can show them.
 - `build` returns a Prompt or raises `PromptError` whose `reason` is one of REASONS, with a
   message naming the row; it never lets a tokenizer's or template's own exception escape.
 
@@ -56,9 +59,10 @@ class PromptBuilder:
         self.chat_template = chat_template  # overrides the tokenizer's own
         self.system_prompt = system_prompt
 
-    def build(self, item: Any) -> Prompt:
-        """`item` as a Prompt; PromptError (with its reason) if it cannot be one."""
-        prompt = item if isinstance(item, Prompt) else self._from_item(item)
+    def build(self, item: Any, tools: list[dict[str, Any]] | None = None) -> Prompt:
+        """`item` as a Prompt, with `tools` (JSON schemas) shown by the chat template; PromptError
+        (with its reason) if it cannot be one."""
+        prompt = item if isinstance(item, Prompt) else self._from_item(item, tools)
         if not prompt.token_ids:
             raise _refuse("empty", f"prompt {prompt.id!r} is empty")
         need = len(prompt.token_ids) + self.max_new_tokens
@@ -67,7 +71,7 @@ class PromptBuilder:
                                       f"{self.max_new_tokens} it exceeds the context of {self.max_context}")
         return prompt
 
-    def _from_item(self, item: Any) -> Prompt:
+    def _from_item(self, item: Any, tools: list[dict[str, Any]] | None) -> Prompt:
         field = self.prompt_field
         if isinstance(item, str):
             item = {field: item}
@@ -78,10 +82,10 @@ class PromptBuilder:
         pid = str(item.get("id", raw if isinstance(raw, str) else ""))
         meta = {k: v for k, v in item.items() if k not in (field, "id", "token_ids")}
         ids = item.get("token_ids")
-        if isinstance(raw, str) and not self.apply_chat_template:
+        if isinstance(raw, str) and not (self.apply_chat_template or tools):
             text = raw
         elif isinstance(raw, str) or isinstance(raw, list):
-            text = self._render(pid, self._messages(pid, raw))
+            text = self._render(pid, self._messages(pid, raw), tools)
         else:
             raise _refuse("malformed", f"prompt {pid!r}: {field!r} must be a string or a list of "
                                        f"{{role, content}} messages, got {type(raw).__name__}")
@@ -113,7 +117,7 @@ class PromptBuilder:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         return messages
 
-    def _render(self, pid: str, messages: list[dict[str, str]]) -> str:
+    def _render(self, pid: str, messages: list[dict[str, str]], tools: list[dict[str, Any]] | None) -> str:
         tok = self.tokenizer
         if tok is None:
             raise _refuse("malformed", f"prompt {pid!r} is a conversation and the pipeline has no tokenizer")
@@ -124,7 +128,7 @@ class PromptBuilder:
                                               "to a jinja file")
         try:
             text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                           add_generation_prompt=True)
+                                           add_generation_prompt=True, tools=tools or None)
         except Exception as e:  # a template that fails on this row (jinja raises its own types): the row is refused
             raise _refuse("template_error", f"prompt {pid!r}: the chat template failed: "
                                             f"{type(e).__name__}: {e}") from None
@@ -153,7 +157,7 @@ def _observation_messages(observation: Any) -> list[dict[str, Any]]:
 
 
 def _render_turn(tokenizer: Any, chat_template: str | None, after: list[dict[str, Any]],
-                 generation_prompt: bool) -> str:
+                 generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> str:
     """The template's text after the dummy assistant turn's content, when `after` follows it."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -162,7 +166,7 @@ def _render_turn(tokenizer: Any, chat_template: str | None, after: list[dict[str
     conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _TURN_MARK}, *after]
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=generation_prompt)
+                                             add_generation_prompt=generation_prompt, tools=tools or None)
     except Exception as e:  # a template that cannot render this observation (jinja raises its own types)
         raise _refuse("template_error",
                       f"the chat template failed on an observation: {type(e).__name__}: {e}") from None
@@ -184,7 +188,7 @@ def end_of_turn_token(tokenizer: Any, chat_template: str | None = None) -> int |
 
 
 def render_observation(tokenizer: Any, observation: Any, *, chat: bool, chat_template: str | None = None,
-                       turn_ended: bool = True) -> list[int]:
+                       turn_ended: bool = True, tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The token ids to append after a policy turn's sampled tokens: the environment's observation
     and, in chat, the template's text that frames it, up to the next assistant turn's start.
 
@@ -194,7 +198,8 @@ def render_observation(tokenizer: Any, observation: Any, *, chat: bool, chat_tem
     what follows the turn's end-of-turn token (ChatML: "\n<|im_start|>tool\n...<|im_end|>\n
     <|im_start|>assistant\n"). `turn_ended=False` (the turn was cut at max_new_tokens, so no
     end-of-turn token was sampled): the end-of-turn token comes first. A template that ends
-    turns without a special token writes its closing text in either case.
+    turns without a special token writes its closing text in either case. `tools`: the
+    conversation's tool schemas, given to the template as the prompt's were.
 
     Tokenized without added special tokens. PromptError (reason "malformed", "no_chat_template"
     or "template_error") when the observation or the template cannot make one.
@@ -203,7 +208,7 @@ def render_observation(tokenizer: Any, observation: Any, *, chat: bool, chat_tem
     if not chat:
         text = "".join(m["content"] for m in messages)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-    tail = _render_turn(tokenizer, chat_template, messages, True)
+    tail = _render_turn(tokenizer, chat_template, messages, True, tools)
     ids = list(tokenizer(tail, add_special_tokens=False)["input_ids"])
     if turn_ended and ids and ids[0] == end_of_turn_token(tokenizer, chat_template):
         ids = ids[1:]

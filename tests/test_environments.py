@@ -4,6 +4,7 @@ calculator task and the example game; observations rendered as tokens that exten
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import threading
@@ -532,21 +533,24 @@ def ids(text: str, tok: Any = TOK) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def chat_ids(messages: list[dict[str, Any]], tok: Any = TOK, template: str | None = None) -> list[int]:
+def chat_ids(messages: list[dict[str, Any]], tok: Any = TOK, template: str | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
     return ids(tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                       add_generation_prompt=True), tok)
+                                       add_generation_prompt=True, tools=tools), tok)
 
 
 def conversation_tokens(tok: Any, template: str | None, turns: list[tuple[list[int], Any]], eot: int | None,
-                        ended: bool = True) -> tuple[list[int], list[dict[str, Any]]]:
+                        ended: bool = True, tools: list[dict[str, Any]] | None = None
+                        ) -> tuple[list[int], list[dict[str, Any]]]:
     """prompt + (sampled turn + rendered observation)... as the episode runner appends them, and the
     conversation they stand for. The policy's turns are ids that were never text."""
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2+3?"}]
     builder = PromptBuilder(tok, max_new_tokens=4, chat_template=template)
-    seq = list(builder.build({"prompt": messages}).token_ids)
+    seq = list(builder.build({"prompt": messages}, tools=tools).token_ids)
     for sampled, observation in turns:
         seq += sampled + ([eot] if ended and eot is not None else [])
-        seq += render_observation(tok, observation, chat=True, chat_template=template, turn_ended=ended)
+        seq += render_observation(tok, observation, chat=True, chat_template=template, turn_ended=ended,
+                                  tools=tools)
         messages.append({"role": "assistant", "content": tok.decode(sampled)})
         messages += [{"role": "user", "content": observation}] if isinstance(observation, str) else observation
     return seq, messages
@@ -568,6 +572,23 @@ def test_chatml_tokens_in_tokens_out() -> None:
     assert cut == [IM_END, *reply]
     seq, messages = conversation_tokens(TOK, None, TURNS, IM_END, ended=False)
     assert seq == chat_ids(messages)
+
+
+def test_tool_schemas_are_in_the_prompt_and_the_conversation_stays_token_exact() -> None:
+    schemas = Calculator().tool_schemas()
+    builder = PromptBuilder(TOK, max_new_tokens=4)
+    text = builder.build({"id": "q", "prompt": "What is 2+3?"}, tools=schemas).text  # a string: made a chat
+    assert text.startswith("<|im_start|>system\n# Tools") and text.endswith("<|im_start|>assistant\n")
+    block = text.partition("\n<tools>\n")[2].partition("\n</tools>")[0]  # as Qwen2.5's: a JSON line each
+    assert block.split("\n") == [json.dumps(schema) for schema in schemas]
+    assert "<|im_start|>user\nWhat is 2+3?<|im_end|>" in text
+    system = builder.build({"prompt": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "q"}]}, tools=schemas).text
+    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and system.count("<|im_start|>system") == 1
+    assert builder.build({"prompt": "q"}).text == "q"  # no tools: a plain string stays as it is
+    for ended in (True, False):
+        seq, messages = conversation_tokens(TOK, None, TURNS, IM_END, ended=ended, tools=schemas)
+        assert seq == chat_ids(messages, tools=schemas)
 
 
 # Qwen2.5's handling of tool results (its template, without the tool-call and system parts): tool

@@ -11,6 +11,7 @@ from conftest import assert_accounted, sim_config
 from episode_envs import Echo, Endless, Flaky, Random
 
 from pipeline.engines.simulated import SimulatedEngine
+from pipeline.environments import ToolEnvironment, from_trl
 from pipeline.orchestrator import Pipeline
 from pipeline.rollout_log import read_rollouts
 from pipeline.trainer import SimulatedTrainer
@@ -236,6 +237,66 @@ def test_chat_episodes_on_real_engines_keep_the_logprob_check(tmp_path: Path, mo
     checks = [row for row in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "check/max_abs_diff" in row]
     assert checks and max(c["check/max_abs_diff"] for c in checks) < 1e-3, checks
     assert all(c["check/tokens"] <= r.mask.sum() for c in checks)
+
+
+class Lookup(ToolEnvironment):
+    """A tool environment of a user's own: one tool, the answer scored 1."""
+
+    def lookup(self, key: str) -> str:
+        """Find a key in the table of answers.
+
+        Args:
+            key: The key to look up.
+        """
+        return key.upper()
+
+    def score(self, action: str) -> float:
+        return 1.0
+
+
+class TRLWeather:
+    """A class written for TRL's environment_factory: public methods are its tools."""
+
+    def reset(self, **row: Any) -> None:
+        return None
+
+    def forecast(self, city: str, days: int) -> str:
+        """Tomorrow's weather in a city.
+
+        Args:
+            city: The city.
+            days: How many days ahead.
+        """
+        return "sunny"
+
+
+# a template that prints what it is given as `tools`, then ChatML
+PRINTS_TOOLS = ("{% for tool in tools %}TOOL {{ tool.function.name }}: {{ tool.function.description }} "
+                "({{ tool.function.parameters.properties | list | join(', ') }})\n{% endfor %}"
+                "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("env, shown", [
+    (Lookup, "TOOL lookup: Find a key in the table of answers. (key)\n"),
+    (from_trl(TRLWeather), "TOOL forecast: Tomorrow's weather in a city. (city, days)\n"),
+], ids=["tool_environment", "from_trl"])
+def test_an_environments_tool_schemas_reach_the_model_through_the_chat_template(tmp_path: Path, env: Any,
+                                                                                shown: str) -> None:
+    template = tmp_path / "tools.jinja"
+    template.write_text(PRINTS_TOOLS)
+    cfg = sim_config(tmp_path, steps=2, **{"engine.simulated.completion_tokens": 3, "sampling.max_new_tokens": 3,
+                                           "data.chat_template": str(template), "eval.every": 1, "eval.n": 2})
+    rows = [{"id": str(i), "prompt": f"question {i}"} for i in range(16)]
+    p = Pipeline(cfg, prompts=rows, eval_prompts=rows[:2], environment=env, console=False)
+    p.run_sync()
+    assert p.summary["accounting_ok"] and p.summary["groups_trained"] == 4
+    r = read_rollouts(p.run_dir / "rollouts.zarr")
+    assert set(r.groups["fate"].tolist()) == {"trained", "eval"}
+    for i in range(r.num_groups):  # every group's prompt, eval rounds too, as the engine got it
+        g = r.group(i)
+        text = p.tokenizer.decode(list(g["prompt_token_ids"]))
+        assert text.startswith(shown) and "<|im_start|>user\nquestion " in text, text
 
 
 def test_eval_rounds_run_episodes_too(tmp_path: Path) -> None:
