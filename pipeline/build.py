@@ -86,8 +86,9 @@ def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Seq
     elif cfg.data.eval:
         eval_items = load_rows(cfg.data.eval, "data.eval")
     elif cfg.eval.every and task is not None and prompts is None and not cfg.data.train:
-        # the built-in task holds out prompts drawn with another seed
-        eval_items = build_task(replace(cfg.task, seed=cfg.task.seed + 1), cfg.sampling.max_new_tokens).prompts
+        # the built-in task's held-out split, or prompts it draws with another seed
+        eval_items = task.eval_prompts if task.eval_prompts is not None else \
+            build_task(replace(cfg.task, seed=cfg.task.seed + 1), cfg.sampling.max_new_tokens).prompts
     if cfg.eval.every and not eval_items:
         raise ConfigError("eval.every is set but there are no eval prompts: set data.eval to a file "
                           "(or pass eval_prompts= to Pipeline)")
@@ -129,6 +130,11 @@ def model_dir(cfg: RunConfig) -> str:
 
         check_model_dir(cfg.model.path)
         return cfg.model.path
+    if cfg.model.warm_start:
+        from pipeline.warm_start import warm_start
+
+        return str(warm_start(cfg.model.shape, build_task(cfg.task, cfg.sampling.max_new_tokens), cfg.model.cache_dir,
+                              seed=cfg.seed, target=cfg.model.warm_start_accuracy, progress=cfg.log.progress))
     from pipeline.models import build_model
 
     return str(build_model(cfg.model.shape, cfg.model.cache_dir, seed=cfg.seed))

@@ -62,8 +62,14 @@ class ModelConfig:
     cache_dir: str = ".cache/models"  # where built-in models are built once and reused
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of engines built on transformers
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
+    warm_start: bool = False  # first fine-tune the built-in model on the built-in task's worked problems until partly competent (pipeline.warm_start; cached)
+    warm_start_accuracy: float = 0.3  # ... until its exact-match accuracy on held-out problems, sampled at temperature 1, reaches this
 
     def __post_init__(self) -> None:
+        _check(0 < self.warm_start_accuracy < 1, "model.warm_start_accuracy", "in (0, 1)", self.warm_start_accuracy)
+        if self.warm_start and self.path:
+            raise ConfigError("model.warm_start fine-tunes the built-in model (model.shape); it cannot start from "
+                              f"model.path = {_show(self.path)}: leave one of them unset")
         _check_path("model.path", self.path)
         _check_path("model.cache_dir", self.cache_dir)
         # os.path.isdir never raises (a too-long or unreadable path is simply not a directory)
@@ -75,17 +81,24 @@ class ModelConfig:
                               "has no config.json")
 
 
+WARM_START_TASKS = ("addition",)  # the built-in tasks with worked problems (pipeline.tasks.Task.demonstrate)
+
+
 @dataclass(frozen=True)
 class TaskConfig:
     """The built-in task, used when data.train is empty (research code may pass its own prompts and reward)."""
 
-    name: Literal["char_class", "copy", "calculator"] = "char_class"  # see pipeline.tasks; calculator is multi-turn
+    name: Literal["char_class", "copy", "calculator", "addition"] = "char_class"  # see pipeline.tasks; calculator is multi-turn
     num_prompts: int = 512  # size of the prompt set; the source cycles through it in epochs
     seed: int = 0  # which prompts are drawn
+    digits: int = 2  # addition: digits of each of the two numbers added
+    num_eval_prompts: int = 512  # addition: held-out problems offered to [eval] (its own split, never trained on)
 
     def __post_init__(self) -> None:
         _check(self.num_prompts >= 1, "task.num_prompts", ">= 1", self.num_prompts)
         _check_seed("task.seed", self.seed)
+        _check(1 <= self.digits <= 9, "task.digits", "in [1, 9]", self.digits)
+        _check(self.num_eval_prompts >= 1, "task.num_eval_prompts", ">= 1", self.num_eval_prompts)
 
 
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -590,6 +603,9 @@ class RunConfig:
                 "the policy's own); use temperature = 1, top_p = 1, top_k = 0, min_p = 0 and no penalties, "
                 'or set loss.correction = "none"'
             )
+        if self.model.warm_start and self.task.name not in WARM_START_TASKS:
+            raise ConfigError(f"model.warm_start learns from the built-in task's worked problems; task.name = "
+                              f"{self.task.name!r} has none (tasks that have: {', '.join(WARM_START_TASKS)})")
         if self.deterministic:
             _check_deterministic(self)
         if self.engine.kind == "vllm_server" and self.trainer.update == "full":

@@ -21,13 +21,21 @@ Built-in tasks are small enough for a random-weight tiny model to learn on a CPU
   for writing the sum's digits and for being exactly the sum, which only the reply tells. A
   uniformly random policy scores about 0.005 (it calls 3-4% of the time); a perfect one ("=",
   then the sum and the end of the sequence) scores 1.
+- `addition`: the prompt is a sum of two `task.digits`-digit numbers ("37+45="); the reward is 1
+  for exactly the sum (whitespace around it aside) and 0 otherwise. A random model never gets
+  one right; a warm-started one (`model.warm_start`, pipeline.warm_start) gets 20-50% and RL
+  has the rest to learn. The problem space is split once, by a hash of each problem, into
+  "eval" (1 in 10), "valid" (1 in 20) and "train": the held-out problems (`Task.eval_prompts`)
+  and the warm start's validation problems can never be trained on, whatever the seeds.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -35,6 +43,7 @@ import numpy as np
 
 from pipeline.config import TaskConfig
 from pipeline.environments import Environment, EnvStep
+from pipeline.errors import ConfigError
 
 CLASSES = {"digits": set("0123456789"), "vowels": set("aeiou")}
 LETTERS = "bcdfghjklmnpqrstvwxyz"
@@ -48,6 +57,11 @@ class Task:
     prompts: list[dict[str, Any]]  # each {"id": str, "prompt": str, **extra columns}
     reward: Callable[..., list[float]]  # with an environment: applied to the final transcript (env.reward)
     environment: Callable[[], Environment] | None = None  # multi-turn: one instance per episode, reset(row)
+    eval_prompts: list[dict[str, Any]] | None = None  # held out, never trained on; None: drawn with another seed
+    # a fresh (prompt, answer) of the training split from the rng, for supervised warm starts; None: none
+    demonstrate: Callable[[random.Random], tuple[str, str]] | None = None
+    validation: list[tuple[str, str]] | None = None  # (prompt, answer) a warm start measures itself on
+    settings: tuple[tuple[str, Any], ...] = ()  # what its problems depend on besides the name (for caches)
 
 
 def char_class_task(num_prompts: int, seed: int, max_new_tokens: int) -> Task:
@@ -152,7 +166,86 @@ def calculator_task(num_prompts: int, seed: int, max_new_tokens: int) -> Task:
     return Task("calculator", prompts, calculator_reward, environment=CalculatorEnv)
 
 
+def addition_split(a: int, b: int) -> str:
+    """"eval" (1 in 10), "valid" (1 in 20) or "train": the fixed split of the problem a+b, by a hash of it."""
+    h = zlib.crc32(f"{a}+{b}".encode()) % 20
+    return "eval" if h < 2 else "valid" if h < 3 else "train"
+
+
+def addition_space(digits: int) -> int:
+    """How many problems a+b of two `digits`-digit numbers there are."""
+    return (9 * 10 ** (digits - 1)) ** 2
+
+
+def _draw_addition(rng: random.Random, digits: int, split: str) -> tuple[int, int]:
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    while True:  # a split holds at least 1 in 20 problems: a few draws on average
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        if addition_split(a, b) == split:
+            return a, b
+
+
+_SHARE = {"eval": 0.10, "valid": 0.05, "train": 0.85}  # of the problem space, about, per split
+
+
+@functools.lru_cache(maxsize=4)
+def _split_pool(digits: int, split: str) -> tuple[tuple[int, int], ...]:
+    lo, hi = 10 ** (digits - 1), 10 ** digits
+    return tuple((a, b) for a in range(lo, hi) for b in range(lo, hi) if addition_split(a, b) == split)
+
+
+def addition_problems(digits: int, split: str, count: int, seed: int) -> list[tuple[int, int]]:
+    """`count` distinct problems of `split`, drawn with `seed`; ValueError when the split holds fewer."""
+    space = addition_space(digits)
+    rng = random.Random(seed)
+    if count <= space * _SHARE[split] / 4:  # a small share of the split: distinct draws come quickly
+        out: dict[tuple[int, int], None] = {}
+        while len(out) < count:
+            out[_draw_addition(rng, digits, split)] = None
+        return list(out)
+    if space > 10 ** 6:
+        raise ValueError(f"{count} problems is more than a quarter of the {split!r} split of {digits}-digit addition")
+    pool = _split_pool(digits, split)
+    if len(pool) < count:
+        raise ValueError(f"the {split!r} split of {digits}-digit addition holds {len(pool)} problems, "
+                         f"fewer than the {count} asked for")
+    return rng.sample(pool, count)
+
+
+def _addition_row(i: int, a: int, b: int, prefix: str) -> dict[str, Any]:
+    return {"id": f"{prefix}-{i}", "prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def exact_match(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """1.0 where the completion is exactly the answer (whitespace around it aside), else 0.0."""
+    return [float(text.strip() == str(ans)) for text, ans in zip(completions, answer)]
+
+
+VALIDATION_PROBLEMS = 256  # what a warm start measures its accuracy on: a binomial SE of ~3 points at 30%
+
+
+def addition_task(num_prompts: int, seed: int, digits: int, num_eval: int) -> Task:
+    train = addition_problems(digits, "train", num_prompts, seed)
+    held = addition_problems(digits, "eval", num_eval, 0)  # the same held-out set whatever the run's seed
+    valid = addition_problems(digits, "valid", VALIDATION_PROBLEMS, 0)
+
+    def demonstrate(rng: random.Random) -> tuple[str, str]:
+        a, b = _draw_addition(rng, digits, "train")
+        return f"{a}+{b}=", str(a + b)
+
+    return Task("addition", [_addition_row(i, a, b, "addition") for i, (a, b) in enumerate(train)], exact_match,
+                eval_prompts=[_addition_row(i, a, b, "addition-eval") for i, (a, b) in enumerate(held)],
+                demonstrate=demonstrate, validation=[(f"{a}+{b}=", str(a + b)) for a, b in valid],
+                settings=(("digits", digits),))
+
+
 def build_task(cfg: TaskConfig, max_new_tokens: int) -> Task:
+    if cfg.name == "addition":
+        try:
+            return addition_task(cfg.num_prompts, cfg.seed, cfg.digits, cfg.num_eval_prompts)
+        except ValueError as e:  # more problems asked for than the split holds: the config's numbers
+            raise ConfigError(f"task.name = \"addition\" with task.digits = {cfg.digits}: {e}; lower "
+                              "task.num_prompts or task.num_eval_prompts, or raise task.digits") from None
     makers = {"char_class": char_class_task, "copy": copy_task, "calculator": calculator_task}
     return makers[cfg.name](cfg.num_prompts, cfg.seed, max_new_tokens)
 
