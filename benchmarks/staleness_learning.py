@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -39,6 +38,8 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import mean_ci  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
 ARMS = {
     "none": {"loss.correction": "none"},
@@ -48,28 +49,6 @@ ARMS = {
     # ppo's control: as many optimizer steps per batch, no clip (tells the clip from the extra steps)
     "tis4": {"loss.correction": "tis", "trainer.minibatches": 4},
 }
-# two-sided 97.5% quantiles of Student's t, by degrees of freedom (30+ is within 2% of 1.96)
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
-         20: 2.086, 24: 2.064, 29: 2.045}
-
-
-def t975(df: int) -> float:
-    if df <= 0:
-        return float("nan")
-    return _T975.get(df) or next((v for k, v in sorted(_T975.items(), reverse=True) if k <= df), 1.96)
-
-
-def mean_ci(xs: list[float]) -> dict:
-    """Mean and the half-width of its 95% t-interval (nan for fewer than two values)."""
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2:
-        return {"mean": m, "ci95": float("nan"), "n": n}
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-    return {"mean": m, "ci95": t975(n - 1) * sd / math.sqrt(n), "n": n}
-
-
 def one_run(job: dict) -> dict:
     """One Pipeline run in this worker process (one torch thread: the workers share the cores)."""
     import torch

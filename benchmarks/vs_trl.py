@@ -3,6 +3,8 @@
     python benchmarks/vs_trl.py               # one seed
     python benchmarks/vs_trl.py --seeds 3     # mean and spread over seeds 0, 1, 2
     python benchmarks/vs_trl.py --workload micro --update full --seeds 3 --staleness 0,1
+    python benchmarks/vs_trl.py --task addition --seeds 2     # time to accuracy on a warm-started model
+    python benchmarks/vs_trl.py --task addition --engine vllm # ... on one GPU, TRL in vLLM colocate mode
 
 Workloads: `default` is B = 8 prompts x n = 8 completions of 16 tokens, 30 steps; `micro` is the
 smallest a user's first toy run is likely to be, where a step's fixed cost decides the race:
@@ -27,6 +29,18 @@ the mean over the last fifth of the steps (every system trains the same number o
 With --seeds N each figure is given as mean and standard deviation over the seeds.
 
 Writes <out>/vs_trl_<model>_<hardware>.json and .png (reward against samples; samples/s).
+
+`--task addition` races to an accuracy instead: both sides train the warm-started built-in
+model (pipeline.warm_start) on the built-in addition task with the exact-match reward, the
+same B x n, learning rate and LoRA, and evaluate every --eval-every steps on the task's
+held-out problems (--eval-n samples each at temperature 1, pass@1). Ours is
+benchmarks/time_to_accuracy.py's run at each --staleness K (correction tis); TRL evaluates in
+a callback whose time is left out of its clock (ours pays its eval rounds' load on the engines,
+so the comparison leans to TRL). The target is time_to_accuracy's (halfway from the warm start
+to our K = 0's best, or --target); reported: each system's time and steps to it ("not reached"
+where it never did), final accuracy, and our time over TRL's. With --engine vllm TRL generates
+in vLLM colocate mode on the same GPU (vllm_gpu_memory_utilization as ours) and ours runs the
+vLLM engine beside the trainer. Writes vs_trl_addition_<engine>_<shape>_<hardware>.json and .png.
 """
 
 from __future__ import annotations
@@ -81,7 +95,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-trl", action="store_true", help="run only our pipeline (no TRL needed)")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     p.add_argument("--quick", action="store_true", help="a short smoke test (under a minute on 2 CPU cores)")
+    p.add_argument("--task", default="char_class", choices=["char_class", "addition"],
+                   help="addition: time to a held-out accuracy on the warm-started model (see above)")
+    p.add_argument("--engine", default="transformers", choices=["transformers", "vllm"], help="with --task addition")
+    p.add_argument("--eval-every", type=int, default=25, help="with --task addition")
+    p.add_argument("--eval-n", type=int, default=4, help="with --task addition: samples per held-out problem")
+    p.add_argument("--eval-prompts", type=int, default=512, help="with --task addition: held-out problems")
+    p.add_argument("--target", type=float, default=None, help="with --task addition: the accuracy to time")
     args = p.parse_args(argv)
+    if args.task == "addition":
+        return args
     r = TrainerConfig.lora_rank
     quick = {"steps": 3, "batch_groups": 2, "group_size": 4, "max_new_tokens": 8, "warmup_steps": 1, "lora_rank": r}
     full = {"steps": 30, "batch_groups": 8, "group_size": 8, "max_new_tokens": 16, "warmup_steps": 2, "lora_rank": r}
@@ -164,7 +187,8 @@ def pipeline_settings() -> dict[str, Any]:
 # ====================================================================== TRL
 
 
-def trl_config(args: argparse.Namespace, seed: int, out_dir: Path) -> Any:
+def trl_config(args: argparse.Namespace, seed: int, out_dir: Path, **extra: Any) -> Any:
+    """GRPOConfig for the race: our settings in TRL's names; `extra` replaces or adds fields."""
     from trl import GRPOConfig
 
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
@@ -175,7 +199,7 @@ def trl_config(args: argparse.Namespace, seed: int, out_dir: Path) -> Any:
         raise SystemExit(f"error: trl {trl.__version__}'s GRPOConfig lacks {', '.join(missing)}; this benchmark "
                          "needs a TRL with those settings (it was written against trl 1.16)")
     B, n = args.batch_groups, args.group_size
-    return GRPOConfig(
+    return GRPOConfig(**dict(
         output_dir=str(out_dir), seed=seed, data_seed=seed,
         per_device_train_batch_size=B * n,  # completions per optimizer step: B prompts x n
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,  # one step per generation batch
@@ -189,7 +213,7 @@ def trl_config(args: argparse.Namespace, seed: int, out_dir: Path) -> Any:
         max_steps=args.steps, use_cpu=True, bf16=False, fp16=False, use_vllm=False,
         gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="no",
         disable_tqdm=True, dataloader_num_workers=0, log_completions=False,
-    )
+    ) | extra)
 
 
 def run_trl(args: argparse.Namespace, model_path: Path, seed: int, out_dir: Path) -> dict[str, Any]:
@@ -306,8 +330,184 @@ def plot(summary: list[dict[str, Any]], samples_per_step: int, title: str, path:
     fig.savefig(path, dpi=110)
 
 
+# ====================================================================== the addition race
+
+
+def addition_args(args: argparse.Namespace) -> argparse.Namespace:
+    """time_to_accuracy's settings for our side of the race, from this script's flags."""
+    import time_to_accuracy as tta
+
+    flags = ["--engine", args.engine, "--ks", *map(str, common.parse_list(args.staleness, int)), "--arms", "tis",
+             "--no-control", "--seeds", str(args.seeds), "--eval-every", str(args.eval_every),
+             "--eval-n", str(args.eval_n), "--eval-prompts", str(args.eval_prompts),
+             "--model-cache", args.model_cache, "--no-deterministic"]
+    for flag, value in (("--steps", args.steps), ("--batch-groups", args.batch_groups), ("--n", args.group_size),
+                        ("--lr", None if args.lr == TrainerConfig.lr else args.lr),
+                        ("--model-shape", None if args.model_shape == "tiny" and args.engine == "vllm"
+                         else args.model_shape)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return tta.parse_args(flags)
+
+
+def trl_namespace(ours: argparse.Namespace, args: argparse.Namespace) -> argparse.Namespace:
+    """This script's flags with the race's settings (time_to_accuracy's) where trl_config reads them."""
+    return argparse.Namespace(**{**vars(args), "max_new_tokens": ours.digits + 2, "steps": ours.steps,
+                                 "batch_groups": ours.batch_groups, "group_size": ours.n, "lr": ours.lr})
+
+
+def run_trl_addition(ours: argparse.Namespace, args: argparse.Namespace, model_path: str, seed: int,
+                     rows: list[dict[str, Any]], held_out: list[dict[str, Any]], out_dir: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the addition task: its accuracy curve, eval time left out of its clock.
+    Run in a process of its own (`trl_in_child`): TRL's colocated vLLM and its torch.distributed
+    set-up leave the process they ran in, and ours starts clean beside none of it."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOTrainer
+
+    from pipeline.tasks import exact_match
+    from pipeline.warm_start import sampled_accuracy
+
+    data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    held = [(r["prompt"], r["answer"]) for r in held_out] * ours.eval_n
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    curve: list[tuple[int, float, float]] = []
+    clock = {"t0": 0.0, "eval_s": 0.0}
+
+    def evaluate(model: Any, step: int) -> None:
+        t = time.monotonic()
+        device = next(model.parameters()).device
+        acc = sampled_accuracy(model, tokenizer, held, str(device))
+        wall = t - clock["t0"] - clock["eval_s"]
+        clock["eval_s"] += time.monotonic() - t
+        curve.append((step, wall, acc))
+
+    class Eval(TrainerCallback):
+        def on_train_begin(self, a: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            clock["t0"] = time.monotonic()
+            evaluate(model, 0)
+
+        def on_step_end(self, a: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            if state.global_step % ours.eval_every == 0 or state.global_step == ours.steps:
+                evaluate(model, state.global_step)
+
+    targs = trl_config(trl_namespace(ours, args), seed, out_dir, use_cpu=ours.engine != "vllm", use_vllm=ours.engine == "vllm",
+                       vllm_mode="colocate", vllm_gpu_memory_utilization=ours.gpu_memory_utilization,
+                       vllm_max_model_length=256)
+    t0 = time.perf_counter()
+    trainer = GRPOTrainer(model=model_path, reward_funcs=exact_match, args=targs, train_dataset=data,
+                          processing_class=tokenizer,
+                          peft_config=LoraConfig(r=TrainerConfig.lora_rank, lora_alpha=TrainerConfig.lora_alpha,
+                                                 lora_dropout=0.0, target_modules="all-linear", bias="none",
+                                                 task_type="CAUSAL_LM"),
+                          callbacks=[Eval()])
+    trainer.remove_callback(PrinterCallback)
+    setup = time.perf_counter() - t0
+    trainer.train()
+    wall = time.monotonic() - clock["t0"] - clock["eval_s"]
+    result = {"system": "trl", "seed": seed, "setup_s": setup, "wall_s": wall, "eval_s": clock["eval_s"],
+              "curve": curve, "first": curve[0][2], "final": curve[-1][2], "best": max(c[2] for c in curve),
+              "samples_per_s": ours.steps * ours.batch_groups * ours.n / wall, "torch_threads": torch.get_num_threads()}
+    return result
+
+
+def trl_in_child(*call: Any) -> dict[str, Any]:
+    """run_trl_addition(*call) in a fresh (spawned) process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_trl_addition, *call).result()
+
+
+def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
+    import time_to_accuracy as tta
+
+    from pipeline.config import TaskConfig
+    from pipeline.log import configure_logging
+    from pipeline.tasks import build_task
+    from pipeline.warm_start import warm_start
+
+    ours = addition_args(args)
+    configure_logging(None, "warning", console=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    load = common.MachineLoad()
+    task = build_task(TaskConfig(name="addition", digits=ours.digits, num_prompts=ours.num_prompts,
+                                 num_eval_prompts=ours.eval_prompts), ours.digits + 2)
+    model_path = str(warm_start(ours.model_shape, task, ours.model_cache, target=ours.warm_start_accuracy))
+    trl_runs = []
+    with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
+        for seed in range(args.seeds) if not args.skip_trl else ():  # TRL first: its vLLM is gone before ours starts
+            trl_runs.append(r := trl_in_child(ours, args, model_path, seed, task.prompts,
+                                              task.eval_prompts[:ours.eval_prompts], Path(tmp) / f"trl-{seed}"))
+            print(f"seed {seed} trl: accuracy {r['first']:.3f} -> {r['final']:.3f}, {r['wall_s']:.1f} s "
+                  f"(+{r['eval_s']:.1f} s eval, not counted)", flush=True)
+    out = Path(args.out)
+    if trl_runs:  # kept even if our side fails after them
+        common.write_json(out / f"{BENCHMARK}_addition_{ours.engine}_{ours.model_shape}_trl_runs.json",
+                          {"settings": vars(ours), "trl_runs": trl_runs})
+    todo = tta.jobs(ours, model_path)
+    if ours.engine == "vllm":
+        runs = common.run_async(tta.vllm_runs(todo, model_path, ours))
+    else:
+        runs = []
+        for job in todo:
+            runs.append(r := tta.run_one(job))
+            tta.report(r)
+    analysis = tta.analyse(runs, args.target)
+    target = analysis["target"]
+    trl_row = None
+    if trl_runs:
+        reached = [tta.first_reach(r["curve"], target) for r in trl_runs]
+        trl_row = {"final": tta.mean_ci([r["final"] for r in trl_runs]), "best": tta.mean_ci([r["best"] for r in trl_runs]),
+                   "reached": sum(x is not None for x in reached),
+                   "time_to_target_s": tta.mean_ci([x[0] for x in reached if x]) if any(reached) else None,
+                   "steps_to_target": tta.mean_ci([x[1] for x in reached if x]) if any(reached) else None,
+                   "samples_per_s": tta.mean_ci([r["samples_per_s"] for r in trl_runs]),
+                   "curve_mean": tta.mean_curve(trl_runs)}
+        for row in analysis["table"].values():
+            pairs = [(tta.first_reach(o["curve"], target), x) for o, x in
+                     zip(sorted((o for o in runs if (o["k"], o["arm"]) == (row["k"], row["arm"])), key=lambda o: o["seed"]),
+                         reached)]
+            ratios = [a[0] / b[0] for a, b in pairs if a and b and b[0] > 0]
+            row["time_ratio_to_trl"] = tta.mean_ci(ratios) if ratios else None
+            row["final_minus_trl"] = row["final"]["mean"] - trl_row["final"]["mean"]
+        analysis["table"]["trl"] = {"k": None, "arm": "trl", "seeds": len(trl_runs), **trl_row,
+                                    "groups_per_s": {"mean": trl_row["samples_per_s"]["mean"] / ours.n}}
+    hw = common.hardware()
+    tag = common.hardware_tag(hw)
+    text = tta.markdown({**analysis, "table": {k: v for k, v in analysis["table"].items() if k != "trl"}}, args.seeds)
+    if trl_row:
+        text += (f"\n| trl | {tta._ci(trl_row['final'])} | {tta._ci(trl_row['best'])} | "
+                 f"{tta._ci(trl_row['time_to_target_s'], 1)} ({trl_row['reached']}/{len(trl_runs)}) | "
+                 f"{tta._ci(trl_row['steps_to_target'], 0)} | | | {trl_row['samples_per_s']['mean'] / ours.n:.1f} |")
+        for name, row in analysis["table"].items():
+            if name != "trl":
+                ratio = row["time_ratio_to_trl"]
+                text += f"\n{name}: time to target ÷ TRL's = " + (tta._ci(ratio, 2) if ratio else
+                                                                      "- (not reached by both in any seed)")
+    print(text, flush=True)
+    machine_load = load.record()
+    record = {**common.header(f"{BENCHMARK}_addition", argv), "hardware": hw, "hardware_tag": tag,
+              "machine_load": machine_load, "load_note": common.load_note(machine_load, hw["cpu_affinity"]),
+              "seeds": args.seeds, "settings": vars(ours), "model_path": model_path,
+              "trl": trl_settings(trl_namespace(ours, args)) if trl_runs else None, "analysis": analysis, "table_markdown": text,
+              "runs": runs, "trl_runs": trl_runs}
+    name = f"{BENCHMARK}_addition_{ours.engine}_{ours.model_shape}_{tag}"
+    common.write_json(out / f"{name}.json", record)
+    tta.plot({**record, "seeds": args.seeds}, out / f"{name}.png")
+    print(f"wrote {out / name}.json and .png", flush=True)
+    return record
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.task == "addition":
+        if not args.skip_trl and importlib.util.find_spec("trl") is None:
+            raise SystemExit("error: this benchmark needs TRL: pip install -e '.[bench]' (or pass --skip-trl)")
+        return addition_race(args, argv)
     if not args.skip_trl and (importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None):
         raise SystemExit("error: this benchmark needs TRL: pip install -e '.[bench]' (or pass --skip-trl)")
     from pipeline.log import configure_logging
