@@ -16,10 +16,11 @@ engines included, as a user's run pays it).
 
 Arms: max_staleness K in --ks x correction in --arms (none, tis, ppo as in staleness_learning.py:
 ppo takes trainer.minibatches = 4), and `lr0`, K = 0 with a learning rate of 0: the control
-that tells learning from noise. On the transformers engine runs are `deterministic` (unless
---no-deterministic), so a seed fixes the prompts' order and every sampling draw and runs of
-one seed are paired; a deterministic K-stale run trains on samples exactly K versions old.
-vLLM cannot be deterministic: its seeds fix the prompts' order only.
+that tells learning from noise. A seed fixes the prompts' order and the adapter's first weights,
+so runs of one seed are paired. With --deterministic (transformers engine only) it fixes every
+sampling draw too, and a K-stale run trains on samples exactly K versions old; it is not the
+default because deterministic decoding takes each group alone (~3x slower on 2 cores), which
+is not the wall time a user's run has and hides most of what K > 0 overlaps.
 
 Reported, per arm, over seeds: the first and final accuracy and the best, each a mean with its
 95% t-interval; the time (and the steps) to first reach the target, by default halfway from
@@ -75,11 +76,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-cache", default=".cache/models")
     p.add_argument("--target", type=float, default=None,
                    help="accuracy to time (default: halfway from the warm start to K = 0's best)")
-    p.add_argument("--no-deterministic", action="store_true", help="transformers engine: leave deterministic off")
+    p.add_argument("--deterministic", action="store_true",
+                   help="transformers engine: deterministic runs (paired by seed; ~3x slower decoding, see above)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     p.add_argument("--tag", default="", help="appended to the result's file name")
-    p.add_argument("--plot-only", default="", help="a result JSON to plot again")
+    p.add_argument("--plot-only", default="", help="a result JSON to analyse and plot again (its runs as recorded)")
     args = p.parse_args(argv)
     if args.plot_only:
         return args
@@ -103,7 +105,7 @@ def base_overrides(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
                   "engine.vllm.gpu_memory_utilization": args.gpu_memory_utilization, "engine.vllm.max_model_len": 256}
     else:
         engine = {"engine.kind": "transformers", "engine.devices": ["cpu"], "trainer.device": "cpu",
-                  "deterministic": not args.no_deterministic}
+                  "deterministic": args.deterministic}
     return {**engine, "model.path": model_path, "log.progress": False, "log.level": "warning",
             "task.name": "addition", "task.digits": args.digits, "task.num_prompts": args.num_prompts,
             "task.num_eval_prompts": args.eval_prompts, "sampling.n": args.n,
@@ -186,6 +188,18 @@ def first_reach(curve: Sequence[Sequence[float]], target: float) -> tuple[float,
     return next(((wall, step) for step, wall, acc in curve if acc >= target), None)
 
 
+def crossing(curve: Sequence[Sequence[float]], target: float, axis: int) -> float | None:
+    """Where a (step, wall s, accuracy) curve first reaches `target`, interpolated linearly between
+    eval rounds, on `axis` (0 steps, 1 wall s); None if it never does."""
+    for before, after in zip([None, *curve[:-1]], curve):
+        if after[2] >= target:
+            if before is None or after[2] == before[2]:
+                return float(after[axis])
+            f = (target - before[2]) / (after[2] - before[2])
+            return before[axis] + f * (after[axis] - before[axis])
+    return None
+
+
 def mean_curve(runs: list[dict[str, Any]]) -> list[tuple[int, float, float]]:
     """(step, mean wall s, mean accuracy) over the runs, at the steps every one of them evaluated."""
     steps = sorted(set.intersection(*({c[0] for c in r["curve"]} for r in runs)))
@@ -215,6 +229,9 @@ def analyse(runs: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
             "steps_to_target": mean_ci([v[1] for v in reached.values() if v]) if any(reached.values()) else None,
             "curve_mean": mean_curve(mine),
         }
+        # the mean curve's crossing: less at the mercy of one noisy eval round than each seed's first reach
+        row["mean_curve_time_to_target_s"] = crossing(row["curve_mean"], target, 1)
+        row["mean_curve_steps_to_target"] = crossing(row["curve_mean"], target, 0)
         zero = "tis" if arm == "lr0" else arm
         if (k, arm) != (0, zero) and any((0, zero, s) in of for s in seeds):
             pairs = [(of[(k, arm, s)], of[(0, zero, s)]) for s in seeds if (k, arm, s) in of and (0, zero, s) in of]
@@ -224,6 +241,11 @@ def analyse(runs: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
             row["time_ratio_to_K0"] = mean_ci(ratios) if ratios else None
             row["time_ratio_pairs"] = len(ratios)
         table[f"K{k}-{arm}"] = row
+    zero_time = {a: table.get(f"K0-{a}", {}).get("mean_curve_time_to_target_s") for _, a in arms}
+    for row in table.values():
+        base = zero_time.get("tis" if row["arm"] == "lr0" else row["arm"])
+        mine = row["mean_curve_time_to_target_s"]
+        row["mean_curve_time_ratio_to_K0"] = mine / base if mine is not None and base else None
     return {"start": start, "k0_best": k0_best, "base_arm": base_arm, "target": target, "table": table}
 
 
@@ -237,8 +259,9 @@ def _ci(c: dict[str, Any] | None, digits: int = 3) -> str:
 def markdown(analysis: dict[str, Any], seeds: int) -> str:
     lines = [f"target accuracy {analysis['target']:.3f} (warm start {analysis['start']:.3f}, best K=0 "
              f"{analysis['base_arm']} {analysis['k0_best']:.3f})", "",
-             "| arm | final | best | time to target s (reached) | steps to target | final − K=0 | time ÷ K=0 | groups/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| arm | final | best | time to target s (reached) | steps to target | final − K=0 | time ÷ K=0 "
+             "| mean curve: s to target (÷ K=0) | groups/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in analysis["table"].items():
         lines.append(" | ".join([
             f"| {name}", _ci(row["final"]), _ci(row["best"]),
@@ -246,6 +269,9 @@ def markdown(analysis: dict[str, Any], seeds: int) -> str:
             _ci(row.get("final_minus_K0")) if "final_minus_K0" in row else "",
             (_ci(row.get("time_ratio_to_K0"), 2) + f" ({row['time_ratio_pairs']} pairs)")
             if row.get("time_ratio_to_K0") else ("" if "final_minus_K0" not in row else "not reached"),
+            "not reached" if row.get("mean_curve_time_to_target_s") is None else
+            f"{row['mean_curve_time_to_target_s']:.1f}" + (f" ({row['mean_curve_time_ratio_to_K0']:.2f})"
+                                                          if row.get("mean_curve_time_ratio_to_K0") else ""),
             f"{row['groups_per_s']['mean']:.1f} |"]))
     return "\n".join(lines)
 
@@ -276,10 +302,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.plot_only:
+    if args.plot_only:  # the recorded runs analysed again (a newer analysis), the table printed, the plot redrawn
         path = Path(args.plot_only)
-        plot(json.loads(path.read_text()), path.with_suffix(".png"))
-        return {}
+        result = json.loads(path.read_text())
+        target = result["settings"].get("target")
+        result["analysis"] = analyse(result["runs"], target)
+        result["table_markdown"] = markdown(result["analysis"], result["seeds"])
+        print(result["table_markdown"])
+        common.write_json(path, result)
+        plot(result, path.with_suffix(".png"))
+        return result
     from pipeline.config import TaskConfig
     from pipeline.log import configure_logging
     from pipeline.tasks import build_task

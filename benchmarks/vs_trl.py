@@ -340,7 +340,7 @@ def addition_args(args: argparse.Namespace) -> argparse.Namespace:
     flags = ["--engine", args.engine, "--ks", *map(str, common.parse_list(args.staleness, int)), "--arms", "tis",
              "--no-control", "--seeds", str(args.seeds), "--eval-every", str(args.eval_every),
              "--eval-n", str(args.eval_n), "--eval-prompts", str(args.eval_prompts),
-             "--model-cache", args.model_cache, "--no-deterministic"]
+             "--model-cache", args.model_cache]
     for flag, value in (("--steps", args.steps), ("--batch-groups", args.batch_groups), ("--n", args.group_size),
                         ("--lr", None if args.lr == TrainerConfig.lr else args.lr),
                         ("--model-shape", None if args.model_shape == "tiny" and args.engine == "vllm"
