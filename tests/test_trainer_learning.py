@@ -243,3 +243,141 @@ def test_entropy_statistic_is_the_policy_entropy_at_the_sampled_tokens(model_dir
     stats = trainer.step(batch).metrics
     assert stats["train/entropy"] == pytest.approx(want, rel=1e-4)
     assert 0 < stats["train/entropy"] <= np.log(models.EOS_ID + 64)
+
+
+# --------------------------------------------------------------------------- properties of the batch's statistics
+
+
+def _perturbed(model_dir: Path, loss: LossConfig | None = None, **cfg: object) -> LoRATrainer:
+    """A trainer whose adapter is not the identity, so every LoRA weight has a nonzero gradient."""
+    trainer = _trainer(model_dir, loss, lora_dropout=0.0, **cfg)
+    with torch.no_grad():
+        torch.manual_seed(11)
+        for _, p in trainer._trainable():
+            p.add_(0.05 * torch.randn_like(p))
+    return trainer
+
+
+def _uneven_batch(rewards: list[list[float]], lengths: tuple[int, ...] = (2, 7, 4, 5, 3), seed: int = 6) -> Batch:
+    """Groups of completions of unequal lengths with the given rewards (one list a group)."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for gi, rs in enumerate(rewards):
+        tokens = [rng.integers(0, models.EOS_ID, size=lengths[(gi + i) % len(lengths)]) for i in range(len(rs))]
+        groups.append(_group(gi, PROMPTS[gi % len(PROMPTS)], tokens, [np.full(len(t), -5.8) for t in tokens],
+                             np.asarray(rs, dtype=float)))
+    return Batch(step=1, version=0, groups=tuple(groups))
+
+
+def _gradients_for(trainer: LoRATrainer, batch: Batch, advantages: list[torch.Tensor], denominator: float,
+                   cap: float = 2.0) -> dict[str, torch.Tensor]:
+    """-(1 / denominator) sum over tokens of min(exp(lp - beh), C) A grad lp, with the advantages given."""
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    terms = []
+    for g, adv in zip(batch.groups, advantages):
+        for c, a in zip(g.completions, adv):
+            ids = torch.tensor([list(g.prompt.token_ids) + c.token_ids.tolist()])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            start = len(g.prompt.token_ids) - 1
+            lp = logp[start:start + len(c.token_ids)].gather(-1, torch.as_tensor(c.token_ids)[:, None]).squeeze(-1)
+            w = torch.exp(lp.detach() - torch.as_tensor(c.logprobs)).clamp(max=cap)
+            terms.append((w * float(a) * lp).sum())
+    (-torch.stack(terms).sum() / denominator).backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer._trainable()}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    for n in want:
+        scale = float(want[n].abs().max())
+        torch.testing.assert_close(got[n], want[n], rtol=2e-4, atol=1e-6 * scale, msg=lambda m: f"{n}: {m}")
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sum(float((a[n] - b[n]).norm()) for n in a) > 1e-2 * sum(float(b[n].norm()) for n in b)
+
+
+# groups of different means and scales, and a flat one: pooled and per-group statistics differ
+MIXED = [[0.0, 1.0, 0.0, 1.0], [10.0, 30.0, 20.0, 40.0], [5.0, 5.0, 5.0, 5.0], [-3.0, -2.0, -1.0, -2.5]]
+
+
+def test_advantages_are_normalised_within_each_group_not_over_the_batch(model_dir):
+    """Catches: the mean and std taken over the whole batch (every earlier test group was a
+    permutation of 0..n-1, where pooled and per-group statistics coincide)."""
+    trainer = _perturbed(model_dir)
+    batch = _uneven_batch(MIXED)
+    tokens = sum(len(c.token_ids) for g in batch.groups for c in g.completions)
+    per_group = [torch.tensor(g.rewards) for g in batch.groups]
+    per_group = [torch.zeros_like(r) if (r == r[0]).all() else (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+                 for r in per_group]
+    pooled_r = torch.tensor(np.concatenate([g.rewards for g in batch.groups]))
+    pooled = ((pooled_r - pooled_r.mean()) / (pooled_r.std(unbiased=False) + 1e-6)).split(4)
+    want = _gradients_for(trainer, batch, per_group, tokens)
+    assert _differ(want, _gradients_for(trainer, batch, list(pooled), tokens)), "the groups must tell the two apart"
+    _, got = trainer.loss_gradients(batch)
+    _assert_grads_close(got, want)
+
+
+def test_a_flat_group_contributes_exactly_zero_gradient(model_dir):
+    trainer = _perturbed(model_dir)
+    _, got = trainer.loss_gradients(_uneven_batch([[5.0, 5.0, 5.0, 5.0], [0.25] * 3]))
+    assert all(float(g.abs().max()) == 0.0 for g in got.values())
+
+
+@pytest.mark.parametrize("norm_tokens", [8, 20])
+def test_dr_grpo_divides_by_sequences_times_the_constant_whatever_the_lengths(model_dir, norm_tokens):
+    """Catches: Dr.GRPO's constant normaliser replaced by the batch's actual token count or
+    lengths (which brings back the length bias it exists to remove)."""
+    loss = LossConfig(aggregation="constant", norm_tokens=norm_tokens, scale_rewards=False)
+    trainer = _perturbed(model_dir, loss, micro_batch_sequences=3)
+    batch = _uneven_batch(MIXED, lengths=(1, 6, 2, 5, 3))
+    sequences = sum(len(g.completions) for g in batch.groups)
+    centred = [torch.tensor(g.rewards) - float(np.mean(g.rewards)) for g in batch.groups]
+    _, got = trainer.loss_gradients(batch)
+    _assert_grads_close(got, _gradients_for(trainer, batch, centred, sequences * norm_tokens))
+    tokens = sum(len(c.token_ids) for g in batch.groups for c in g.completions)
+    assert tokens != sequences * norm_tokens  # the two normalisers differ, so the test tells them apart
+
+
+def test_gradient_clipping_bounds_the_norm_the_optimizer_steps_with(model_dir):
+    """Catches: grad_clip read but not applied (the reported norm is the pre-clip one)."""
+    clip = 1e-3
+    trainer = _perturbed(model_dir, grad_clip=clip)
+    seen: list[float] = []
+    step = trainer.optimizer.step
+
+    def recording_step(*a: object, **kw: object) -> object:
+        grads = [p.grad for _, p in trainer._trainable() if p.grad is not None]
+        seen.append(float(torch.nn.utils.get_total_norm(grads)))
+        return step(*a, **kw)
+
+    trainer.optimizer.step = recording_step
+    stats = trainer.step(_uneven_batch(MIXED)).metrics
+    assert len(seen) == 1 and seen[0] <= clip * (1 + 1e-4), seen
+    assert stats["train/grad_norm"] > 10 * clip  # reported before clipping, and clipping had work to do
+
+
+def test_each_epochs_minibatches_partition_the_batch_in_a_seeded_order_of_their_own(model_dir):
+    trainer = _perturbed(model_dir, minibatches=3, epochs=3)
+    batch = _uneven_batch(MIXED)
+    rows = len(trainer._rows(batch.groups).comps)
+    parts: list[list[int]] = []
+    backward = trainer._backward
+
+    def recording(rows_: object, part: list[int], *a: object, **kw: object) -> float:
+        parts.append(list(part))
+        return backward(rows_, part, *a, **kw)
+
+    trainer._backward = recording
+    trainer.step(batch)
+    assert len(parts) == 9
+    epochs = [parts[i:i + 3] for i in range(0, 9, 3)]
+    for epoch in epochs:  # each epoch: every row once, in three non-empty parts
+        assert sorted(r for p in epoch for r in p) == list(range(rows)) and all(epoch)
+    orders = [[r for p in epoch for r in p] for epoch in epochs]
+    assert len({tuple(o) for o in orders}) == 3, "every epoch draws its own order"
+    # reproducible: the same (seed, step, epoch) gives the same parts; another step another
+    assert trainer._minibatches(rows, 1, 1) == epochs[1]
+    assert trainer._minibatches(rows, 2, 1) != epochs[1]
