@@ -179,3 +179,28 @@ def test_sigterm_checkpoints_and_a_second_signal_exits_at_once(tmp_path: Path) -
     r = run_py("--resume", str(out))
     assert r.returncode == 0, r.stderr
     check_finished_run(out, B, STEPS, K)
+
+
+def _trained_prompts(out: Path) -> dict[int, str]:
+    r = read_rollouts(out / "rollouts.zarr")
+    return {g: p for g, p, f in zip(r.groups["group_id"].tolist(), r.groups["prompt_id"].tolist(),
+                                    r.groups["fate"].tolist()) if f == "trained"}
+
+
+def test_a_run_killed_in_a_later_epoch_resumes_with_the_prompt_order_of_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Six prompts, 32 groups: the stream wraps five times. Killed at step 6 (its newest checkpoint,
+    step 4, is 16 groups in: the third epoch), the resumed run must draw every later position's
+    prompt as a run never killed does, epoch order included."""
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(SIM.replace(f"num_prompts = {PROMPTS}", "num_prompts = 6"))
+    whole = run_py("--config", str(cfg), "--out", str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr
+    out = tmp_path / "killed"
+    first = run_py("--config", str(cfg), "--out", str(out), crash="step.after_train:6")
+    assert first.returncode == -signal.SIGKILL, first.stderr
+    assert CheckpointStore(out / "checkpoints").latest().step == 4
+    resumed = run_py("--resume", str(out))
+    assert resumed.returncode == 0, resumed.stderr
+    want, got = _trained_prompts(tmp_path / "whole"), _trained_prompts(out)
+    assert sorted(want) == list(range(B * STEPS)) and len(set(want.values())) == 6  # every epoch, every prompt
+    assert got == want

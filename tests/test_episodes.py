@@ -149,6 +149,10 @@ def test_max_turns_and_the_token_budget_end_episodes(tmp_path: Path) -> None:
     r = assert_accounted(p, p.summary)
     g = r.group(0)
     assert list(g["turns"]) == [4, 4] and {c[2] for c in g["completions"]} == {"max_turns"}
+    # docs/environments.md: an episode cut short gets the rewards of the steps it took, its last
+    # turn's included: Endless pays 1 a step, so 4 turns earn exactly 4
+    for i in range(r.num_groups):
+        assert list(r.group(i)["env_rewards"]) == [4.0, 4.0] and list(r.group(i)["rewards"]) == [4.0, 4.0]
 
     budget = 16
     p = _run(tmp_path / "b", Endless, steps=2, **{"env.max_turns": 50, "env.max_episode_tokens": budget})
@@ -157,6 +161,7 @@ def test_max_turns_and_the_token_budget_end_episodes(tmp_path: Path) -> None:
         g = r.group(i)
         for tokens, _, finish in g["completions"]:
             assert finish == "length" and len(g["prompt_token_ids"]) + len(tokens) <= budget
+        assert list(g["env_rewards"]) == [float(t) for t in g["turns"]] == list(g["rewards"])  # a step a turn
 
 
 def test_the_rollout_log_holds_each_episodes_mask_and_turns(tmp_path: Path) -> None:
