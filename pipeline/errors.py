@@ -66,7 +66,13 @@ class GenerationError(RecoverableError):
 
 
 class RewardError(RecoverableError):
-    """A reward function raised or returned a value that is not a finite float."""
+    """A reward function raised or returned a value that is not a finite float.
+
+    `function` names it; the function's own exception, if it raised, is `__cause__`."""
+
+    def __init__(self, message: str, function: str = "") -> None:
+        super().__init__(message)
+        self.function = function
 
 
 class PromptError(RecoverableError):

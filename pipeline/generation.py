@@ -106,9 +106,7 @@ class Generator:
                 except (EnvError, *ENGINE_ERRORS) as e:
                     error = e
             if isinstance(error, EnvError):  # the environment's failure: the group's, not the engine's
-                log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=error.reason,
-                            error=str(error))
-                await self.outcomes.settle_failed(adm.group_id, error.reason, None, None)
+                await self.outcomes.settle_failed(adm.group_id, error.reason, None, None, error, engine=engine.name)
                 return None
             self.rotation.failed(engine, error, epoch)
             attempt = await self._after_failed_attempt(adm, engine, error, attempt)
@@ -133,9 +131,8 @@ class Generator:
         if isinstance(error, EngineDeadError) and can_generate:
             return attempt
         if attempt >= self.cfg.retries or not can_generate:
-            log.warning("group_failed", group_id=adm.group_id, engine=engine.name, reason=reason,
-                        attempts=attempt + 1, error=repr(error))
-            await self.outcomes.settle_failed(adm.group_id, reason, None, None)
+            await self.outcomes.settle_failed(adm.group_id, reason, None, None, error, engine=engine.name,
+                                              attempts=attempt + 1)
             if not can_generate:
                 raise self.rotation.no_engine_error()  # nothing can generate any more
             return -1

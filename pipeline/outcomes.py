@@ -6,7 +6,11 @@ Invariants:
   ledger and appends its row to the RolloutLog in the same moment on the event loop, so a
   checkpoint taken between two steps sees the two agree.
 - Evaluation groups are never live and never in the ledger: `record_eval` only appends their rows.
-- MAX_CONSECUTIVE_FAILURES groups failing in a row end the run (the cause is not one group).
+- MAX_CONSECUTIVE_FAILURES groups failing in a row end the run (the cause is not one group),
+  with an error that says the last failure's reason and error.
+- A failure is logged here ("group_failed"); a user's function that raised (a reward function,
+  an environment) has its own traceback in the event for its first TRACEBACKS_PER_SOURCE
+  failures, so events.jsonl shows where it broke without a traceback per group.
 - `flush_loop` writes pending rows to zarr in a worker thread about once a second, or sooner
   once FLUSH_GROUPS groups or FLUSH_TOKENS tokens are pending.
 """
@@ -15,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Sequence
+from collections import Counter
+from typing import Any, Sequence
 
 import numpy as np
+import structlog
 
 from pipeline.buffer import Admission, BufferClosed, RolloutBuffer
 from pipeline.errors import FatalError
@@ -26,6 +32,7 @@ from pipeline.rollout_log import RolloutLog
 from pipeline.types import Generation, GroupOutcome, Prompt, RolloutGroup
 
 MAX_CONSECUTIVE_FAILURES = 64  # this many groups failing in a row means the cause is not one group
+TRACEBACKS_PER_SOURCE = 3  # full tracebacks logged per failing function (then its one-line error only)
 # pending RolloutLog groups, or completion tokens, that make the flush loop write before its
 # second is up. A flush costs ~20 ms whatever its size plus ~5 us a group (n=8, 16 tokens each,
 # on one core), so at ten thousand groups a second flushing every 4,096 groups spent 5 us a group
@@ -34,6 +41,8 @@ FLUSH_GROUPS = 16384
 FLUSH_TOKENS = 1 << 21
 
 Exit = tuple[int, str, str, int, "Generation | None", "np.ndarray | None"]  # group, fate, reason, step, gen, rewards
+
+log = structlog.get_logger(__name__)
 
 
 class Outcomes:
@@ -45,6 +54,7 @@ class Outcomes:
         self.buffer = buffer
         self.live: dict[int, tuple[Prompt, int, float]] = {}  # group id -> (prompt, version, t_admitted)
         self._consecutive_failures = 0
+        self._tracebacks: Counter[str] = Counter()  # full tracebacks logged, per failing function
 
     def start(self, admissions: Sequence[Admission], prompts: Sequence[Prompt]) -> None:
         """Admitted groups are in flight."""
@@ -77,9 +87,12 @@ class Outcomes:
         """A group was generated and scored: the run of failures in a row is broken."""
         self._consecutive_failures = 0
 
-    async def settle_failed(self, group_id: int, reason: str, gen: Generation | None,
-                            rewards: np.ndarray | None) -> None:
-        """A live group failed for good (or is dropped, if the buffer has closed for shutdown)."""
+    async def settle_failed(self, group_id: int, reason: str, gen: Generation | None, rewards: np.ndarray | None,
+                            error: BaseException | None = None, **fields: Any) -> None:
+        """A live group failed for good (or is dropped, if the buffer has closed for shutdown):
+        logged with `error` and `fields`, then settled."""
+        log.warning("group_failed", group_id=group_id, reason=reason, error=(str(error) or repr(error)) if error else None,
+                    **fields, **self._traceback(reason, error))
         self._consecutive_failures += 1
         try:
             await self.buffer.fail(group_id, reason)
@@ -91,8 +104,18 @@ class Outcomes:
             return
         self.record(group_id, "failed", reason, -1, gen, rewards)
         if self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
-            raise FatalError(f"{self._consecutive_failures} groups failed in a row (last: {reason}); "
-                             "see events.jsonl for the errors")
+            raise FatalError(f"{self._consecutive_failures} groups failed in a row, so the cause is not one group; "
+                             f"the last: {reason}" + (f": {error}" if error else "") +
+                             " (tracebacks in events.jsonl, event group_failed)")
+
+    def _traceback(self, reason: str, error: BaseException | None) -> dict[str, Any]:
+        """{"exc_info": error} while the function that raised `error` has had fewer than
+        TRACEBACKS_PER_SOURCE tracebacks logged; {} for errors that are not a user function's."""
+        if error is None or error.__cause__ is None:
+            return {}
+        source = f"{reason}:{getattr(error, 'function', '') or type(error.__cause__).__name__}"
+        self._tracebacks[source] += 1
+        return {"exc_info": error} if self._tracebacks[source] <= TRACEBACKS_PER_SOURCE else {}
 
     def drop_groups(self, groups: Sequence[RolloutGroup], reason: str) -> None:
         """Scored groups no step will train (the buffer's, a cut batch's) leave as dropped (`reason`)."""

@@ -197,7 +197,8 @@ class RewardScorer:
             for j in np.flatnonzero(~np.isfinite(values)).tolist():
                 g = bisect_right(ends, j)
                 if g not in errors:
-                    errors[g] = RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({values[j]})")
+                    errors[g] = RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({values[j]})",
+                                            self.names[i])
             parts[i] = values
         total = self._weights @ parts
         return [errors.get(g) or (total[a:b], parts[:, a:b]) for g, (a, b) in enumerate(bounds)]
@@ -232,7 +233,8 @@ class RewardScorer:
             values = self._check(i, await self._invoke(i, prompts, completions, kwargs), n)
             bad = values[~np.isfinite(values)]
             if bad.size:
-                raise RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({bad[0]})")
+                raise RewardError(f"reward function {self.names[i]!r} returned a non-finite value ({bad[0]})",
+                                  self.names[i])
             parts[i] = values
         return self._weights @ parts, parts
 
@@ -243,7 +245,8 @@ class RewardScorer:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a user's reward bug fails the groups it scored, not the run
-            raise RewardError(f"reward function {self.names[i]!r} raised {type(e).__name__}: {e}") from e
+            raise RewardError(f"reward function {self.names[i]!r} raised {type(e).__name__}: {e}",
+                              self.names[i]) from e
 
     def _check(self, i: int, out: Any, n: int) -> np.ndarray:
         """Function i's output as [n] float64 (finite or not); RewardError if it is not n numbers."""
@@ -252,8 +255,8 @@ class RewardScorer:
             values = [float(x) for x in out]
         except (TypeError, ValueError):
             raise RewardError(f"reward function {name!r} must return a list of {n} numbers, "
-                              f"got {str(out)[:80]!r}") from None
+                              f"got {str(out)[:80]!r}", name) from None
         if len(values) != n:
-            raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} completions")
+            raise RewardError(f"reward function {name!r} returned {len(values)} values for {n} completions", name)
         return np.asarray(values, dtype=np.float64)
 

@@ -99,7 +99,7 @@ class Scoring:
                 log.error("generation_contract_broken", group_id=adm.group_id, engine=gen.engine,
                           asked_version=adm.version, got_version=gen.version, completions=len(gen.completions))
                 await self.outcomes.settle_failed(adm.group_id, "version_mismatch" if gen.version != adm.version
-                                                  else "wrong_completion_count", gen, None)
+                                                  else "wrong_completion_count", gen, None, engine=gen.engine)
                 continue
             keep.append((adm, gen))
         scores = await self.score([gen for _, gen in keep])
@@ -107,8 +107,8 @@ class Scoring:
         now = time.monotonic()
         for (adm, gen), scored in zip(keep, scores):
             if not isinstance(scored, tuple):  # a RewardError: a reward bug fails this group; the run goes on
-                log.warning("group_failed", group_id=adm.group_id, reason="reward_error", error=str(scored))
-                await self.outcomes.settle_failed(adm.group_id, "reward_error", gen, None)
+                await self.outcomes.settle_failed(adm.group_id, "reward_error", gen, None, scored,
+                                                  function=scored.function)
                 continue
             rewards, parts = scored
             self.outcomes.scored()

@@ -142,6 +142,13 @@ def test_an_environment_that_raises_or_hangs_fails_its_group_not_the_run(tmp_pat
     reasons = {str(r.groups["prompt_id"][i])[-1]: str(r.groups["reason"][i]) for i in range(r.num_groups)
                if r.groups["fate"][i] == "failed"}
     assert reasons.get("3") in (None, "env_error") and reasons.get("7") in (None, "env_timeout")
+    # the environment's own traceback, down to the line that raised, is in events.jsonl
+    import json
+
+    events = [json.loads(line) for line in (p.run_dir / "events.jsonl").read_text().splitlines()]
+    raised = [e for e in events if e["event"] == "group_failed" and e["reason"] == "env_error"]
+    assert raised and all('raise KeyError("the tool crashed")' in e["exception"] and "episode_envs.py" in e["exception"]
+                          for e in raised)
 
 
 def test_max_turns_and_the_token_budget_end_episodes(tmp_path: Path) -> None:

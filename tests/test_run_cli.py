@@ -238,6 +238,26 @@ def test_a_run_directory_that_cannot_be_made_or_written_is_exit_2_naming_out(tmp
     _assert_one_error_line(proc.stderr, "out: cannot use", *named)
 
 
+@pytest.mark.slow
+def test_a_reward_that_always_raises_stops_the_run_naming_the_function_and_keeps_its_traceback(tmp_path: Path) -> None:
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text("def lookup(prompts, completions, **kw):\n"
+                       "    table = {}\n"
+                       "    return [table[c] for c in completions]  # the user's bug\n")
+    run_dir = tmp_path / "run"
+    proc = _sim_cli("--set", f'reward.functions=["{rewards}:lookup"]', "--out", str(run_dir))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    _last_error_line(proc.stderr, "64 groups failed in a row", "reward_error",
+                     "reward function 'lookup' raised KeyError")
+    failed = [e for e in _events(run_dir) if e["event"] == "group_failed"]
+    assert len(failed) >= 64 and all(e["function"] == "lookup" for e in failed)
+    shown = [e["exception"] for e in failed if "exception" in e]
+    assert len(shown) == 3  # the first few, not one per group
+    assert all(str(rewards) in tb and "return [table[c] for c in completions]" in tb and "KeyError" in tb
+               for tb in shown)  # the user's own frame and line
+    assert json.loads((run_dir / "summary.json").read_text())["groups_failed"]["reward_error"] >= 64
+
+
 _STUCK = ("--set", "env.step_timeout_s=1", "--set", 'env.reward="env"', "--set", "env.max_turns=2")
 
 
