@@ -79,12 +79,12 @@ def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Seq
     if prompts is not None:
         items = list(prompts)
     else:
-        items = load_rows(cfg.data.train, "data.train") if cfg.data.train else task.prompts
+        items = load_rows(cfg.data.train, "data.train", cfg.data.prompt_field) if cfg.data.train else task.prompts
     eval_items: list[Any] = []
     if eval_prompts is not None:
         eval_items = list(eval_prompts)
     elif cfg.data.eval:
-        eval_items = load_rows(cfg.data.eval, "data.eval")
+        eval_items = load_rows(cfg.data.eval, "data.eval", cfg.data.prompt_field)
     elif cfg.eval.every and task is not None and prompts is None and not cfg.data.train:
         # the built-in task's held-out split, or prompts it draws with another seed
         eval_items = task.eval_prompts if task.eval_prompts is not None else \

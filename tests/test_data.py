@@ -88,7 +88,9 @@ def test_data_train_needs_a_reward() -> None:
 
 
 @pytest.mark.parametrize("content, match", [
-    ("{not json\n", "cannot be read as a data set"),
+    ("{not json\n", "not valid JSON lines: line 1: Expecting property name"),
+    ('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c", oops}\n', "not valid JSON lines: line 4: .*column 17"),
+    ('{"prompt": "a"}\n[1, 2]\n', "line 2: a row must be a JSON object, got list"),
     ("", "holds no rows|cannot be read"),
 ])
 def test_an_unparsable_or_empty_file_is_a_config_error_naming_it(tmp_path: Path, content: str, match: str) -> None:
@@ -110,3 +112,24 @@ def test_an_unreadable_file_is_a_config_error(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(pipeline.data, "open", denied, raising=False)
     with pytest.raises(ConfigError, match="data.train = .*data.jsonl.* cannot be read: Permission denied"):
         load_rows(str(path), "data.train")
+
+
+def test_a_set_without_its_prompt_column_is_refused_at_once_naming_the_columns(tmp_path: Path) -> None:
+    path = _write(tmp_path, "jsonl", [{"question": r["prompt"], "answer": r["answer"]} for r in ROWS])
+    with pytest.raises(ConfigError, match="no row has a 'prompt' column .* its columns are answer, question"):
+        load_rows(str(path), "data.train", "prompt")
+    assert len(load_rows(str(path), "data.train", "question")) == 3
+
+
+def test_rows_without_the_prompt_column_are_named_at_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pipeline.log import close_logging, configure_logging
+
+    path = _write(tmp_path, "jsonl", [ROWS[0], {"id": "x", "answer": "1"}, ROWS[1], {"id": "y", "answer": "3"}])
+    configure_logging(None, "info")
+    try:
+        rows = load_rows(str(path), "data.train", "prompt")
+    finally:
+        close_logging()
+    assert [r["id"] for r in rows] == ["a", "x", "b", "y"]  # kept: each is refused when reached
+    err = capsys.readouterr().err
+    assert "rows_without_prompt" in err and "['x', 'y']" in err and "rows=2" in err
