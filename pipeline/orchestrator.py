@@ -214,7 +214,7 @@ class Pipeline:
         env_reward = cfg.env.reward if self._environment is not None else None
         # what a checkpoint must have been trained on to be resumed: hashed once, off the loop
         fingerprint = {"data": await asyncio.to_thread(self.source.fingerprint),
-                       "reward": reward_names(self.scorer, env_reward)}
+                       "reward": reward_names(self.scorer, env_reward), "reward_weights": list(self.scorer.weights)}
         t_model = time.monotonic()
         self.setup["data_s"] = t_model - t0
         self.model_path, self.tokenizer = await asyncio.to_thread(

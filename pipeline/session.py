@@ -149,6 +149,12 @@ def check_resumed_inputs(ck: Any, fingerprint: dict[str, Any], run_dir: Path, fo
                            f"shuffle {was['shuffle']} -> {now['shuffle']})")
     if old["reward"] != fingerprint["reward"]:
         changed["reward"] = f"reward functions {old['reward']} -> {fingerprint['reward']}"
+    weights = old.get("reward_weights")  # absent from checkpoints written before weights were kept
+    if weights is not None and weights != fingerprint["reward_weights"] and "reward" not in changed:
+        log.warning("resume_reward_weights_changed", checkpoint=str(ck.path), was=weights,
+                    now=fingerprint["reward_weights"],
+                    hint="the run trains on another weighted reward from here; reward_mean before and after "
+                         "the resume are not comparable")
     if not changed:
         return
     if force:

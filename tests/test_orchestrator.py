@@ -424,6 +424,19 @@ def test_force_resume_continues_with_other_data_and_says_so(tmp_path):
     assert summary["steps"] == 8
 
 
+def test_resume_with_other_reward_weights_continues_and_warns_with_both(tmp_path):
+    run(sim_config(tmp_path, steps=4), reward=[length_reward, other_reward], reward_weights=[1.0, 0.5])
+    p, summary = run(sim_config(tmp_path, steps=6), reward=[length_reward, other_reward], reward_weights=[1.0, 2.0],
+                     resume=True)
+    assert summary["steps"] == 6
+    (warned,) = [e for e in _events(p) if e["event"] == "resume_reward_weights_changed"]
+    assert warned["level"] == "warning" and warned["was"] == [1.0, 0.5] and warned["now"] == [1.0, 2.0]
+    p, summary = run(sim_config(tmp_path, steps=8), reward=[length_reward, other_reward], reward_weights=[1.0, 2.0],
+                     resume=True)  # the checkpoints now hold the new weights: no warning again
+    assert summary["steps"] == 8
+    assert len([e for e in _events(p) if e["event"] == "resume_reward_weights_changed"]) == 1  # the file has all three
+
+
 def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(tmp_path):
     from pipeline.checkpoint import CheckpointStore
 
