@@ -56,6 +56,21 @@ class _TqdmHandler(logging.StreamHandler):
             self.handleError(record)
 
 
+class _EventsFile(logging.FileHandler):
+    """events.jsonl. A write that fails (a full disk) is said once on stderr, in one line, instead of
+    logging's traceback per event; the run's own error reaches the console and the caller anyway."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            self.failed = True
+            error = sys.exc_info()[1]
+            what = getattr(error, "strerror", None) or repr(error)
+            sys.stderr.write(f"warning: {self.baseFilename} cannot be written ({what}); "
+                             "events from here on are on the console only\n")
+
+
 def _shared_processors() -> list:
     return [
         structlog.contextvars.merge_contextvars,
@@ -85,7 +100,7 @@ def configure_logging(run_dir: str | Path | None = None, level: str = "info", co
             foreign_pre_chain=_shared_processors()))
         _HANDLERS.append(h)
     if run_dir is not None:
-        f = logging.FileHandler(Path(run_dir) / "events.jsonl", encoding="utf-8")
+        f = _EventsFile(Path(run_dir) / "events.jsonl", encoding="utf-8")
         f.setLevel(floor)
         f.setFormatter(structlog.stdlib.ProcessorFormatter(
             processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
@@ -108,6 +123,9 @@ def close_logging() -> None:
         for h in _HANDLERS:
             lg.removeHandler(h)
     for h in _HANDLERS:
-        h.flush()
-        h.close()
+        try:
+            h.flush()
+            h.close()
+        except OSError:  # events.jsonl on a full disk, said once already: closing must not hide the run's own error
+            pass
     _HANDLERS.clear()

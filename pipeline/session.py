@@ -14,11 +14,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import structlog
 
@@ -26,7 +27,7 @@ from pipeline.adapter_store import AdapterStore
 from pipeline.checkpoint import CheckpointStore
 from pipeline.config import RunConfig
 from pipeline.config_io import dump_toml
-from pipeline.errors import ConfigError, TrainerError
+from pipeline.errors import ConfigError, StoreError, TrainerError
 from pipeline.ledger import Ledger
 from pipeline.metrics import read_jsonl
 from pipeline.outcomes import FLUSH_GROUPS
@@ -50,6 +51,16 @@ class Session:
     step_rows: list[dict[str, Any]]  # metrics rows kept from earlier sessions
     eval_rows: list[dict[str, Any]]
     eval_done: set[int]  # evaluation rounds the checkpoint covers
+
+
+@contextlib.contextmanager
+def _writing(what: str) -> Iterator[None]:
+    """An OSError inside (a full disk, a read-only mount) as a StoreError saying what was being written."""
+    try:
+        yield
+    except OSError as e:
+        named = f" ({e.filename})" if e.filename else ""
+        raise StoreError(f"{what} failed: {e.strerror or type(e).__name__}{named}") from e
 
 
 def refuse_existing_run(run_dir: Path) -> None:
@@ -97,11 +108,14 @@ def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fi
     if ck is not None:
         check_resumed_inputs(ck, fingerprint, run_dir, force)
     if resume:  # accepted: from here on the run continues with this config
-        write_config(cfg, run_dir)
+        with _writing(f"resuming the run in {run_dir}: writing config.toml"):
+            write_config(cfg, run_dir)
     eval_done: set[int] = set(ck.state.get("eval_done", ())) if ck else set()
     store = AdapterStore(cfg.store.root or run_dir / "adapters", base_model=str(model_path or ""),
                          keep_last=cfg.store.keep_last, kind=cfg.trainer.update, sync=cfg.store.sync)
-    rollout_log = RolloutLog(run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)}, flush_every=8 * FLUSH_GROUPS)
+    with _writing(f"opening {run_dir / 'rollouts.zarr'}"):
+        rollout_log = RolloutLog(run_dir / "rollouts.zarr", meta={"config": dump_toml(cfg)},
+                                 flush_every=8 * FLUSH_GROUPS)
     session = Session(checkpoint=ck, start_step=start_step, start_version=int(ck.state["version"]) if ck else 0,
                       wall0=float(ck.state.get("wall_s", 0.0)) if ck else 0.0,
                       ledger=Ledger.from_snapshot(ck.state["ledger"], total) if ck else Ledger(total),
@@ -109,9 +123,13 @@ def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fi
                       eval_done=eval_done)
     if resume:
         # what happened after the checkpoint is redone: cut it from the log, the store and the metrics
-        rollout_log.truncate(int(ck.state["log_rows"]) if ck else 0)
-        store.discard_after(max(0, session.start_version - 1))
-        kept = keep_metrics(run_dir / "metrics.jsonl", start_step, eval_done)
+        where = f"resuming the run in {run_dir} at step {start_step}"
+        with _writing(f"{where}: cutting rollouts.zarr to the checkpoint's rows"):
+            rollout_log.truncate(int(ck.state["log_rows"]) if ck else 0)
+        with _writing(f"{where}: discarding the versions after {max(0, session.start_version - 1)}"):
+            store.discard_after(max(0, session.start_version - 1))
+        with _writing(f"{where}: rewriting metrics.jsonl up to the checkpoint"):
+            kept = keep_metrics(run_dir / "metrics.jsonl", start_step, eval_done)
         session.step_rows = [r for r in kept if "eval/groups" not in r]
         session.eval_rows = [r for r in kept if "eval/groups" in r]
         log.info("run_resumed", run_dir=str(run_dir), step=start_step, version=session.start_version,

@@ -258,6 +258,25 @@ def test_a_reward_that_always_raises_stops_the_run_naming_the_function_and_keeps
     assert json.loads((run_dir / "summary.json").read_text())["groups_failed"]["reward_error"] >= 64
 
 
+@pytest.mark.slow
+def test_a_full_disk_on_resume_names_the_stage_in_one_line(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = _sim_cli("--steps", "4", "--out", str(run_dir))
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    # the disk is full for what the resume writes: the metrics it cuts, and every event
+    (run_dir / "metrics.jsonl.tmp").symlink_to("/dev/full")
+    (run_dir / "events.jsonl").unlink()
+    (run_dir / "events.jsonl").symlink_to("/dev/full")
+    proc = _sim_cli("--resume", str(run_dir), "--steps", "6")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    _last_error_line(proc.stderr, "StoreError", "resuming the run", "at step 4", "rewriting metrics.jsonl",
+                     "No space left on device")
+    assert "Traceback" not in proc.stderr and "Logging error" not in proc.stderr
+    assert proc.stderr.count("events.jsonl cannot be written") == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints  # nothing produced was lost
+
+
 _STUCK = ("--set", "env.step_timeout_s=1", "--set", 'env.reward="env"', "--set", "env.max_turns=2")
 
 
