@@ -340,5 +340,5 @@ class Pipeline:
                 rollout_log=self.rollout_log,
                 eval_rows=self.eval_rows, start_step=self.start_step, resumed=self._resume,
                 checkpoint_step=self.training.checkpoint_step, stopped_by=self.stopped_by)
-            await self.reporting.finish(self.summary, self._t_start)
+            await self.reporting.finish(self.summary, self._t_start, self.eval_rows)
         close_logging()

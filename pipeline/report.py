@@ -1,4 +1,6 @@
-"""The run report: reward curve, staleness histogram, generator/trainer busy timeline (report.png)."""
+"""The run report (report.png): the reward curve with the eval rounds' (every session's), the
+staleness histogram, and the generator/trainer busy timeline of this session (earlier sessions'
+spans are not kept)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any, Sequence
 
 
 def write_report(run_dir: str | Path, rows: Sequence[dict[str, Any]], timeline: dict[str, list[tuple[float, float]]],
-                 t0: float) -> Path | None:
+                 t0: float, eval_rows: Sequence[dict[str, Any]] = ()) -> Path | None:
     """Plot what a run did; returns the PNG path (None when there is nothing to plot)."""
     if not rows:
         return None
@@ -24,6 +26,12 @@ def write_report(run_dir: str | Path, rows: Sequence[dict[str, Any]], timeline: 
     smooth = [sum(r["reward_mean"] for r in rows[max(0, i - k + 1): i + 1]) / len(rows[max(0, i - k + 1): i + 1])
               for i in range(len(rows))]
     ax.plot(steps, smooth, lw=2, label=f"moving mean ({k} steps)")
+    if eval_rows:  # held-out rounds: their reward and, where a pass threshold applies, pass@1
+        ax.plot([r["step"] for r in eval_rows], [r.get("eval/reward_mean") for r in eval_rows], "o-", lw=1.5,
+                label="eval reward (held out)")
+        if any("eval/pass@1" in r for r in eval_rows):
+            ax.plot([r["step"] for r in eval_rows], [r.get("eval/pass@1") for r in eval_rows], "s--", lw=1,
+                    label="eval pass@1")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title("reward")
@@ -45,7 +53,7 @@ def write_report(run_dir: str | Path, rows: Sequence[dict[str, Any]], timeline: 
         ax.broken_barh(bars, (y - 0.4, 0.8), alpha=0.35 if name == "generation" else 0.8)
     ax.set_yticks([0, 1], ["generation\n(each group)", "training\n(step + publish)"])
     ax.set_xlabel("seconds since start")
-    ax.set_title("busy timeline")
+    ax.set_title("busy timeline (this session: a resumed run's earlier sessions are not kept)")
     fig.tight_layout()
     out = Path(run_dir) / "report.png"
     fig.savefig(out, dpi=90)

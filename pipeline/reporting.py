@@ -156,9 +156,12 @@ class Reporting:
         started, trained, dropped, failed = self.totals()
         live = c.in_flight + c.buffered + c.training
         versions = self.versions
+        session_wall = max(wall, 1e-9)
+        total_wall = max(self.wall0 + wall, 1e-9)
         return {
+            # steps, wall_s and the rates cover the whole run, every session; "session" this one alone
             "steps": len(rows),
-            "wall_s": wall,
+            "wall_s": self.wall0 + wall,
             "setup_s": setup_s,
             "setup": dict(setup),  # its parts: data_s, model_s, engines_start_s, trainer_start_s
             "groups_started": started,
@@ -179,8 +182,10 @@ class Reporting:
             **self.rotation.summary(),
             "adapter_load_failures": dict(versions.load_failures),
             "generation_retries": self._generator.retries,
-            "groups_per_s": c.trained / max(wall, 1e-9),
-            "tokens_per_s": trained_tokens / max(wall, 1e-9),
+            "groups_per_s": trained / total_wall,
+            "tokens_per_s": sum(r["tokens"] for r in rows) / total_wall,
+            "session": {"steps": len(session_rows), "wall_s": wall, "groups_trained": c.trained,
+                        "groups_per_s": c.trained / session_wall, "tokens_per_s": trained_tokens / session_wall},
             "reward_first_window": float(np.mean([r["reward_mean"] for r in rows[:window]])) if rows else None,
             "reward_final_window": float(np.mean([r["reward_mean"] for r in rows[-window:]])) if rows else None,
             "staleness_max": max((r["staleness_max"] for r in rows), default=None),
@@ -197,20 +202,20 @@ class Reporting:
             "run_dir": str(self.run_dir),
         }
 
-    async def finish(self, summary: dict[str, Any], t_start: float) -> None:
+    async def finish(self, summary: dict[str, Any], t_start: float, eval_rows: list[dict[str, Any]]) -> None:
         """summary.json, report.png, and the run_finished event (an error when the accounting is off)."""
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
-        await self.write_report(t_start)
+        await self.write_report(t_start, eval_rows)
         level = "info" if summary["accounting_ok"] else "error"
         getattr(log, level)("run_finished", **{k: v for k, v in summary.items() if k in (
             "steps", "wall_s", "groups_started", "groups_trained", "accounting_ok", "error")})
 
-    async def write_report(self, t_start: float) -> None:
-        """report.png: reward curve, staleness histogram, busy timeline; a failed plot is only a warning."""
+    async def write_report(self, t_start: float, eval_rows: list[dict[str, Any]]) -> None:
+        """report.png: reward and eval curves, staleness histogram, busy timeline; a failed plot is only a warning."""
         try:
             from pipeline.report import write_report
 
-            await asyncio.to_thread(write_report, self.run_dir, self.rows, self.timeline, t_start)
+            await asyncio.to_thread(write_report, self.run_dir, self.rows, self.timeline, t_start, eval_rows)
         except Exception as e:  # a failed plot must not hide the run's own outcome
             log.warning("report_failed", error=repr(e))
 

@@ -407,9 +407,17 @@ def test_resume_refuses_other_data_or_another_reward_and_changes_nothing(tmp_pat
         run(sim_config(tmp_path, steps=6, seed=1), resume=True)  # the same items, another order
     # nothing of the run was touched: its config, and it still resumes as it was
     assert (tmp_path / "run" / "config.toml").read_bytes() == config
+    from pipeline.checkpoint import CheckpointStore
+
+    wall0 = CheckpointStore(tmp_path / "run" / "checkpoints").latest().state["wall_s"]  # the first session's, at step 4
     p, summary = run(more, resume=True)
     assert summary["steps"] == 6 and summary["resumed_from_step"] == 4
     assert_accounted(p, summary)
+    # the run's totals cover both sessions; "session" this one alone
+    session = summary["session"]
+    assert session["steps"] == 2 and session["groups_trained"] == summary["groups_trained"] - 4 * 2
+    assert session["wall_s"] > 0 and summary["wall_s"] == pytest.approx(wall0 + session["wall_s"])
+    assert summary["groups_per_s"] == pytest.approx(summary["groups_trained"] / summary["wall_s"])
 
 
 def test_force_resume_continues_with_other_data_and_says_so(tmp_path):
