@@ -5,7 +5,7 @@
     python run.py --steps 50 --max-staleness 2 --set trainer.lr=0 --out runs/control
     python run.py --resume runs/control --steps 80 # continue a stopped run, or extend a finished one
 
-Every knob lives in the TOML file (see docs/configuration.md); the flags below override
+Every knob lives in the TOML file (see docs/configuration.md); the flags above override
 the few you change most, and `--set section.key=value` overrides any other. The resolved config
 is written to <out>/config.toml, so `python run.py --config <out>/config.toml` repeats a run.
 

@@ -23,7 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Coroutine, Iterable, Mapping, Sequence
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the committed results: --out here to keep one
+# where a benchmark writes by default: git-ignored, so trying a script never overwrites a committed result
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "runs" / "benchmarks"
 ENV_KEYS = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")  # settings that change the figures
 PACKAGES = ("torch", "transformers", "peft", "vllm", "trl", "accelerate", "numpy", "zarr", "uvloop")
 

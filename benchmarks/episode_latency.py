@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, hardware, hardware_tag, header, parse_list, run_async, table, write_json  # noqa: E402
+from benchmarks.common import DEFAULT_OUT, hardware, hardware_tag, header, parse_list, run_async, table, write_json  # noqa: E402
 from pipeline.config_io import load_config  # noqa: E402
 from pipeline.environments import EnvStep  # noqa: E402
 from pipeline.orchestrator import Pipeline  # noqa: E402
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="6 steps, 1 warm-up")
-    ap.add_argument("--out", default=str(RESULTS_DIR))
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--scratch", default="runs/bench_episode_latency")
     args = ap.parse_args(argv)
     if args.quick:

@@ -161,7 +161,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--lr", type=float, default=None, help="learning rate of the trained run (default: config's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="runs/benchmarks")
     p.add_argument("--verbose", action="store_true", help="log to the console too")
     return p.parse_args(argv)
 

@@ -91,7 +91,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile run")
     p.add_argument("--profile-top", type=int, default=25, help="functions kept in the profile summary")
     p.add_argument("--dir", default=None, help="where the runs write (default: the system's temporary directory)")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(common.DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="a short smoke test (under a minute on 2 CPU cores)")
     args = p.parse_args(argv)
     if args.groups is None:

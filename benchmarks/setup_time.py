@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warm", type=int, default=2, help="warm runs after the cold one")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="passed on to run.py")
     p.add_argument("--scratch", help="where the caches and runs go (default: a temporary directory, removed)")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(common.DEFAULT_OUT))
     p.add_argument("--tag", default="", help="appended to the result's file name")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="a run that takes longer is an error")
     args = p.parse_args(argv)

@@ -247,7 +247,7 @@ def main() -> None:
     ap.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
                     help="vllm: one engine on cuda:0 serves every run in turn, the trainer beside it")
     ap.add_argument("--model-shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"])
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs/benchmarks")
     ap.add_argument("--tag", default="", help="appended to the result's file name")
     ap.add_argument("--plot-only", default="", help="a result JSON to plot again")
     ap.add_argument("--baselines", nargs="+", default=["none"], help="with --merge: arms to take paired differences to")

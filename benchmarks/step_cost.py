@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--update", default="lora", choices=["lora", "full"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs/benchmarks")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     t0 = time.monotonic()

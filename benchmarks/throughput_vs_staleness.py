@@ -143,7 +143,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--update", choices=("lora", "full"), default="lora",
                    help="trainer.update: publish LoRA adapters (default) or the full weights")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of each standalone measurement")
-    p.add_argument("--out", default=str(common.RESULTS_DIR), help="directory for the JSON and PNG")
+    p.add_argument("--out", default=str(common.DEFAULT_OUT), help="directory for the JSON and PNG")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for every run and standalone measurement, as run.py's --set "
                         "(e.g. trainer.sched_idle=true); repeatable")

@@ -79,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true",
                    help="transformers engine: deterministic runs (paired by seed; ~3x slower decoding, see above)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="vLLM's share of the GPU")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(common.DEFAULT_OUT))
     p.add_argument("--tag", default="", help="appended to the result's file name")
     p.add_argument("--plot-only", default="", help="a result JSON to analyse and plot again (its runs as recorded)")
     args = p.parse_args(argv)

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16", help="trainer.dtype (full weights; LoRA trains in float32)")
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "pipeline-models"))
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="runs/benchmarks")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
     devices = parse_list(args.devices, str)

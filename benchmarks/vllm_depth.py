@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(common.DEFAULT_OUT))
     return p.parse_args(argv)
 
 

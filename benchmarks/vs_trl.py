@@ -93,7 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-shape", default="tiny")
     p.add_argument("--model-cache", default=".cache/models")
     p.add_argument("--skip-trl", action="store_true", help="run only our pipeline (no TRL needed)")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=str(common.DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="a short smoke test (under a minute on 2 CPU cores)")
     p.add_argument("--task", default="char_class", choices=["char_class", "addition"],
                    help="addition: time to a held-out accuracy on the warm-started model (see above)")

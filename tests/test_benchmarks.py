@@ -729,3 +729,20 @@ def test_trainer_scaling_times_one_process_then_each_world_size(tmp_path: Path, 
         assert 0 < r["rank_step_max_s"] <= r["step_s"]
     base = {r["update"]: r["step_s"] for r in data["results"] if r["trainer"] == "one process"}
     assert all(r["speedup_vs_one_process"] == pytest.approx(base[r["update"]] / r["step_s"]) for r in data["results"])
+
+
+def test_no_benchmark_writes_into_the_committed_results_unless_told_to() -> None:
+    """A newcomer trying a script must not overwrite a committed result: every --out defaults to
+    the git-ignored runs/benchmarks (benchmarks/results only when --out names it)."""
+    import re
+
+    defaults = {}
+    for script in sorted(BENCH.glob("*.py")):
+        found = re.findall(r'add_argument\("--out", default=([^),]+)', script.read_text())
+        if found:
+            defaults[script.name] = found
+    assert len(defaults) >= 10, defaults
+    for name, values in defaults.items():
+        assert all("DEFAULT_OUT" in v or v.strip("\"'") == "runs/benchmarks" for v in values), (name, values)
+    common = load("common")
+    assert common.DEFAULT_OUT == REPO / "runs" / "benchmarks" and "runs/" in (REPO / ".gitignore").read_text()
