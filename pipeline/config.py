@@ -183,7 +183,7 @@ class EvalConfig:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """[env]: multi-turn episodes. Each of a group's n completions is one episode of an environment."""
+    """Multi-turn episodes: each of a group's n completions is one episode of an environment."""
 
     factory: str = ""  # "package.module:Class" or "path/to/file.py:Class" (any callable making one environment); "" = single-turn, or task.name's own
     max_turns: int = 4  # policy turns per episode at most; the episode ends after the last

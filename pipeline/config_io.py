@@ -261,7 +261,7 @@ def reference_markdown() -> str:
     def section(cls: type, prefix: str) -> None:
         src = inspect.getsource(cls)
         comments = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\s+(\w+): [^=]+=.*?#\s*(.*)$", src, re.M)}
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())  # the first paragraph, whole
         rows = []
         nested = []
         for f in dataclasses.fields(cls):

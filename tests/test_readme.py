@@ -89,3 +89,14 @@ def test_relative_links_point_at_something(page: str) -> None:
         if anchor:
             headings = re.findall(r"^#+ (.+)$", _without_code_blocks(dest.read_text(encoding="utf-8")), re.M)
             assert anchor in {_slug(h) for h in headings}, f"{page}: no heading for #{anchor} in {target or page}"
+
+
+def test_every_config_section_is_introduced_by_a_whole_sentence() -> None:
+    """A section's docstring of several lines once reached the page cut after its first line."""
+    from pipeline.config_io import reference_markdown
+
+    heads = [line for line in reference_markdown().splitlines() if line.startswith("**")]
+    assert len(heads) > 10
+    for line in heads:
+        text = line.split("** ", 1)[1]
+        assert text.endswith(".") and not text.startswith("["), line
