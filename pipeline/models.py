@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -53,6 +54,11 @@ from transformers.utils import logging as hf_logging
 from pipeline.errors import ConfigError
 
 log = structlog.get_logger(__name__)
+
+# peft 0.21 reads PreTrainedModel.is_gradient_checkpointing, which transformers 5 deprecates with a
+# FutureWarning: printed once by the engine and once by the trainer in every run, about nothing
+# this project (which never checkpoints activations) can act on.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 # Bump when what build_model writes changes, so stale caches are rebuilt rather than reused.
 # 2: wider embedding init (learnable); 3: embed_std per shape ("small" was degenerate);

@@ -277,6 +277,14 @@ def test_a_full_disk_on_resume_names_the_stage_in_one_line(tmp_path: Path) -> No
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints  # nothing produced was lost
 
 
+@pytest.mark.slow
+def test_a_real_run_prints_no_library_warnings(tmp_path: Path) -> None:
+    # peft's read of a deprecated transformers attribute printed a FutureWarning twice every run
+    proc = run_py("--steps", "2", "--set", "log.progress=false", "--out", str(tmp_path / "run"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Warning" not in proc.stderr and "warn(" not in proc.stderr, proc.stderr[-2000:]
+
+
 _STUCK = ("--set", "env.step_timeout_s=1", "--set", 'env.reward="env"', "--set", "env.max_turns=2")
 
 
