@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -102,6 +103,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-n", type=int, default=4, help="with --task addition: samples per held-out problem")
     p.add_argument("--eval-prompts", type=int, default=512, help="with --task addition: held-out problems")
     p.add_argument("--target", type=float, default=None, help="with --task addition: the accuracy to time")
+    p.add_argument("--reanalyse", metavar="JSON", help="with --task addition: a recorded race, analysed again "
+                   "(its runs as recorded), its table printed, its JSON and plot rewritten")
     args = p.parse_args(argv)
     if args.task == "addition":
         return args
@@ -422,6 +425,48 @@ def trl_in_child(*call: Any) -> dict[str, Any]:
         return pool.submit(run_trl_addition, *call).result()
 
 
+def race_analysis(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], target: float | None, seeds: int,
+                  n: int) -> tuple[dict[str, Any], str]:
+    """time_to_accuracy's analysis of our runs, with TRL's runs beside them: its accuracies, its time
+    to the same target (per seed and where its mean curve crosses it) and ours over its, by seed."""
+    import time_to_accuracy as tta
+
+    analysis = tta.analyse(runs, target)
+    target = analysis["target"]
+    text = tta.markdown(analysis, seeds)
+    if not trl_runs:
+        return analysis, text
+    reached = [tta.first_reach(r["curve"], target) for r in trl_runs]
+    curve = tta.mean_curve(trl_runs)
+    trl_row = {"k": None, "arm": "trl", "seeds": len(trl_runs),
+               "final": tta.mean_ci([r["final"] for r in trl_runs]), "best": tta.mean_ci([r["best"] for r in trl_runs]),
+               "reached": sum(x is not None for x in reached),
+               "time_to_target_s": tta.mean_ci([x[0] for x in reached if x]) if any(reached) else None,
+               "steps_to_target": tta.mean_ci([x[1] for x in reached if x]) if any(reached) else None,
+               "samples_per_s": tta.mean_ci([r["samples_per_s"] for r in trl_runs]),
+               "curve_mean": curve, "mean_curve_time_to_target_s": tta.crossing(curve, target, 1)}
+    trl_time = trl_row["mean_curve_time_to_target_s"]
+    for name, row in analysis["table"].items():
+        mine = sorted((o for o in runs if (o["k"], o["arm"]) == (row["k"], row["arm"])), key=lambda o: o["seed"])
+        pairs = [(tta.first_reach(o["curve"], target), x) for o, x in zip(mine, reached)]
+        ratios = [a[0] / b[0] for a, b in pairs if a and b and b[0] > 0]
+        row["time_ratio_to_trl"] = tta.mean_ci(ratios) if ratios else None
+        ours_time = row["mean_curve_time_to_target_s"]
+        row["mean_curve_time_ratio_to_trl"] = ours_time / trl_time if ours_time is not None and trl_time else None
+        row["final_minus_trl"] = row["final"]["mean"] - trl_row["final"]["mean"]
+        text += (f"\n{name}: time to target ÷ TRL's = "
+                 + (tta._ci(row["time_ratio_to_trl"], 2) if ratios else "- (not reached by both in any seed)")
+                 + (f" by seed; {row['mean_curve_time_ratio_to_trl']:.2f} by the mean curves"
+                    if row["mean_curve_time_ratio_to_trl"] else ""))
+    text += (f"\n| trl | {tta._ci(trl_row['final'])} | {tta._ci(trl_row['best'])} | "
+             f"{tta._ci(trl_row['time_to_target_s'], 1)} ({trl_row['reached']}/{len(trl_runs)}) | "
+             f"{tta._ci(trl_row['steps_to_target'], 0)} | | | "
+             + ("not reached" if trl_time is None else f"{trl_time:.1f}")
+             + f" | {trl_row['samples_per_s']['mean'] / n:.1f} |")
+    analysis["table"]["trl"] = {**trl_row, "groups_per_s": {"mean": trl_row["samples_per_s"]["mean"] / n}}
+    return analysis, text
+
+
 def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
     import time_to_accuracy as tta
 
@@ -456,38 +501,9 @@ def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[
         for job in todo:
             runs.append(r := tta.run_one(job))
             tta.report(r)
-    analysis = tta.analyse(runs, args.target)
-    target = analysis["target"]
-    trl_row = None
-    if trl_runs:
-        reached = [tta.first_reach(r["curve"], target) for r in trl_runs]
-        trl_row = {"final": tta.mean_ci([r["final"] for r in trl_runs]), "best": tta.mean_ci([r["best"] for r in trl_runs]),
-                   "reached": sum(x is not None for x in reached),
-                   "time_to_target_s": tta.mean_ci([x[0] for x in reached if x]) if any(reached) else None,
-                   "steps_to_target": tta.mean_ci([x[1] for x in reached if x]) if any(reached) else None,
-                   "samples_per_s": tta.mean_ci([r["samples_per_s"] for r in trl_runs]),
-                   "curve_mean": tta.mean_curve(trl_runs)}
-        for row in analysis["table"].values():
-            pairs = [(tta.first_reach(o["curve"], target), x) for o, x in
-                     zip(sorted((o for o in runs if (o["k"], o["arm"]) == (row["k"], row["arm"])), key=lambda o: o["seed"]),
-                         reached)]
-            ratios = [a[0] / b[0] for a, b in pairs if a and b and b[0] > 0]
-            row["time_ratio_to_trl"] = tta.mean_ci(ratios) if ratios else None
-            row["final_minus_trl"] = row["final"]["mean"] - trl_row["final"]["mean"]
-        analysis["table"]["trl"] = {"k": None, "arm": "trl", "seeds": len(trl_runs), **trl_row,
-                                    "groups_per_s": {"mean": trl_row["samples_per_s"]["mean"] / ours.n}}
+    analysis, text = race_analysis(runs, trl_runs, args.target, args.seeds, ours.n)
     hw = common.hardware()
     tag = common.hardware_tag(hw)
-    text = tta.markdown({**analysis, "table": {k: v for k, v in analysis["table"].items() if k != "trl"}}, args.seeds)
-    if trl_row:
-        text += (f"\n| trl | {tta._ci(trl_row['final'])} | {tta._ci(trl_row['best'])} | "
-                 f"{tta._ci(trl_row['time_to_target_s'], 1)} ({trl_row['reached']}/{len(trl_runs)}) | "
-                 f"{tta._ci(trl_row['steps_to_target'], 0)} | | | {trl_row['samples_per_s']['mean'] / ours.n:.1f} |")
-        for name, row in analysis["table"].items():
-            if name != "trl":
-                ratio = row["time_ratio_to_trl"]
-                text += f"\n{name}: time to target ÷ TRL's = " + (tta._ci(ratio, 2) if ratio else
-                                                                      "- (not reached by both in any seed)")
     print(text, flush=True)
     machine_load = load.record()
     record = {**common.header(f"{BENCHMARK}_addition", argv), "hardware": hw, "hardware_tag": tag,
@@ -504,6 +520,17 @@ def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.task == "addition" and args.reanalyse:
+        import time_to_accuracy as tta
+
+        path = Path(args.reanalyse)
+        record = json.loads(path.read_text())
+        record["analysis"], record["table_markdown"] = race_analysis(
+            record["runs"], record["trl_runs"], record["settings"].get("target"), record["seeds"], record["settings"]["n"])
+        print(record["table_markdown"])
+        common.write_json(path, record)
+        tta.plot(record, path.with_suffix(".png"))
+        return record
     if args.task == "addition":
         if not args.skip_trl and importlib.util.find_spec("trl") is None:
             raise SystemExit("error: this benchmark needs TRL: pip install -e '.[bench]' (or pass --skip-trl)")
