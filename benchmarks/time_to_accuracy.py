@@ -284,9 +284,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
     FigureCanvasAgg(fig)
     by_wall, by_step = fig.subplots(1, 2)
     a = result["analysis"]
+    ks = sorted({row["k"] for row in a["table"].values() if row["k"] is not None})
+    colours = {k: f"C{i}" for i, k in enumerate(ks)}  # a colour per K, a line style per correction
+    dashes = {"tis": "-", "none": ":", "ppo": "--"}
     for name, row in a["table"].items():
         curve = row["curve_mean"]
-        style = {"linestyle": "--", "color": "gray"} if row["arm"] == "lr0" else {}
+        style = {"linestyle": "--", "color": "gray"} if row["arm"] in ("lr0", "trl") else \
+            {"linestyle": dashes.get(row["arm"], "-."), "color": colours[row["k"]]}
+        if row["arm"] == "trl":
+            style = {"linestyle": "-", "color": "black", "linewidth": 2}
         by_wall.plot([c[1] for c in curve], [c[2] for c in curve], label=name, **style)
         by_step.plot([c[0] for c in curve], [c[2] for c in curve], label=name, **style)
     for ax, x in ((by_wall, "training wall time (s)"), (by_step, "step")):
