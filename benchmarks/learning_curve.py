@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataclasses import replace  # noqa: E402
 
+from pipeline.config import WARM_START_TASKS  # noqa: E402
 from pipeline.config_io import load_config  # noqa: E402
 from pipeline.orchestrator import Pipeline  # noqa: E402
 
@@ -63,7 +64,7 @@ async def main(args: argparse.Namespace) -> dict:
         "engine.devices": [args.engine_device], "trainer.device": args.trainer_device,
         "pipeline.steps": args.steps, "pipeline.max_staleness": args.max_staleness,
         "pipeline.batch_groups": args.batch_groups, "log.progress": False,
-        **({"task.name": args.task} if args.task else {}),
+        **({"task.name": args.task, "model.warm_start": args.task in WARM_START_TASKS} if args.task else {}),
     }
     if args.engine == "vllm":
         overrides.update({"engine.vllm.enforce_eager": True, "engine.vllm.gpu_memory_utilization": 0.5,
@@ -150,13 +151,13 @@ async def main(args: argparse.Namespace) -> dict:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help="base TOML config")
+    p.add_argument("--config", default="examples/cpu_default.toml", help="base TOML config (default: run.py's)")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "simulated"])
     p.add_argument("--model-shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"])
     p.add_argument("--engine-device", default="cpu")
     p.add_argument("--trainer-device", default="cpu")
-    p.add_argument("--task", help="a built-in task (char_class, copy, calculator); default: the config's")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--task", help="a built-in task (addition, char_class, copy, calculator); default: the config's")
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--batch-groups", type=int, default=8)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--lr", type=float, default=None, help="learning rate of the trained run (default: config's)")

@@ -105,9 +105,8 @@ def prompt_source(cfg: RunConfig, items: list[Any], *, own: bool, epochs: int | 
 def model_and_tokenizer(cfg: RunConfig, tokenizer: Any, *, engines: bool, trainer: bool) -> tuple[str | None, Any]:
     """(model directory, tokenizer): the model when the pipeline builds engines or the trainer on it
     or needs its tokenizer (`tokenizer` None); a caller's tokenizer, or False for none, is kept."""
-    needs_model = (engines and cfg.engine.kind != "simulated") or (trainer and cfg.trainer.kind == "peft") \
-        or tokenizer is None
-    path = model_dir(cfg) if needs_model else None
+    weights = (engines and cfg.engine.kind != "simulated") or (trainer and cfg.trainer.kind == "peft")
+    path = model_dir(cfg, weights=weights) if weights or tokenizer is None else None
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg, path)
     return path, tokenizer or None
@@ -123,14 +122,16 @@ def init_cuda(cfg: RunConfig) -> None:
         torch.cuda.init()
 
 
-def model_dir(cfg: RunConfig) -> str:
-    """model.path (checked), or the built-in model, built once into model.cache_dir."""
+def model_dir(cfg: RunConfig, weights: bool = True) -> str:
+    """model.path (checked), or the built-in model, built once into model.cache_dir. Without
+    `weights` (only the tokenizer and the context are read: simulated engines and trainer), a warm
+    start's own random base, which has the same tokenizer and config, and is not fine-tuned for it."""
     if cfg.model.path:
         from pipeline.models import check_model_dir
 
         check_model_dir(cfg.model.path)
         return cfg.model.path
-    if cfg.model.warm_start:
+    if cfg.model.warm_start and weights:
         from pipeline.warm_start import warm_start
 
         return str(warm_start(cfg.model.shape, build_task(cfg.task, cfg.sampling.max_new_tokens), cfg.model.cache_dir,

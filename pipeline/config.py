@@ -62,14 +62,11 @@ class ModelConfig:
     cache_dir: str = ".cache/models"  # where built-in models are built once and reused
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of engines built on transformers
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it
-    warm_start: bool = False  # first fine-tune the built-in model on the built-in task's worked problems until partly competent (pipeline.warm_start; cached)
+    warm_start: bool = False  # the built-in model (path = "") first fine-tuned on the built-in task's worked problems until partly competent (pipeline.warm_start; cached)
     warm_start_accuracy: float = 0.3  # ... until its exact-match accuracy on held-out problems, sampled at temperature 1, reaches this
 
     def __post_init__(self) -> None:
         _check(0 < self.warm_start_accuracy < 1, "model.warm_start_accuracy", "in (0, 1)", self.warm_start_accuracy)
-        if self.warm_start and self.path:
-            raise ConfigError("model.warm_start fine-tunes the built-in model (model.shape); it cannot start from "
-                              f"model.path = {_show(self.path)}: leave one of them unset")
         _check_path("model.path", self.path)
         _check_path("model.cache_dir", self.cache_dir)
         # os.path.isdir never raises (a too-long or unreadable path is simply not a directory)
@@ -603,9 +600,10 @@ class RunConfig:
                 "the policy's own); use temperature = 1, top_p = 1, top_k = 0, min_p = 0 and no penalties, "
                 'or set loss.correction = "none"'
             )
-        if self.model.warm_start and self.task.name not in WARM_START_TASKS:
+        if self.model.warm_start and not self.model.path and self.task.name not in WARM_START_TASKS:
             raise ConfigError(f"model.warm_start learns from the built-in task's worked problems; task.name = "
-                              f"{self.task.name!r} has none (tasks that have: {', '.join(WARM_START_TASKS)})")
+                              f"{self.task.name!r} has none (tasks that have: {', '.join(WARM_START_TASKS)}): "
+                              "set model.warm_start = false for it")
         if self.deterministic:
             _check_deterministic(self)
         if self.engine.kind == "vllm_server" and self.trainer.update == "full":

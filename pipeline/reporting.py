@@ -171,6 +171,7 @@ class Reporting:
             "groups_logged": logged,
             "eval_groups_logged": eval_logged,
             "eval_rounds": len(eval_rows),
+            "eval_first": eval_rows[0] if eval_rows else None,
             "eval_final": eval_rows[-1] if eval_rows else None,
             "prompts_refused": ledger.fates["refused"],
             "accounting_ok": live == 0 and started == trained + sum(dropped.values()) + sum(failed.values())

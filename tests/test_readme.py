@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,8 +21,7 @@ def test_the_embedding_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
     assert "pipeline.steps=20" in code and 'out="runs/embedded"' in code
     code = code.replace("pipeline.steps=20", "pipeline.steps=2").replace(
-        'out="runs/embedded"', f'out="{tmp_path / "run"}"').replace(
-        '"examples/cpu_default.toml"', f'"{ROOT / "examples" / "cpu_default.toml"}"')
+        'out="runs/embedded"', f'out="{tmp_path / "run"}"')
     monkeypatch.chdir(tmp_path)  # the built-in model cache goes here, not into the checkout
     exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
     out = capsys.readouterr().out.strip().splitlines()
@@ -38,8 +36,6 @@ def test_the_embedding_example_runs_as_a_script_without_a_main_guard(tmp_path: P
     block = README.split("<!-- embed-example", 1)[1]
     code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
     assert "__main__" not in code and "pipeline.steps=20" in code
-    (tmp_path / "examples").mkdir()
-    shutil.copy(ROOT / "examples" / "cpu_default.toml", tmp_path / "examples")
     script = tmp_path / "example.py"
     script.write_text(code.replace("pipeline.steps=20", "pipeline.steps=2"), encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

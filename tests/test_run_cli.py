@@ -163,7 +163,10 @@ def test_help_documents_resume_and_the_exit_codes(capsys: pytest.CaptureFixture[
 
 # a real run.py, as small and fast as it gets: the simulated engine and trainer, the built-in task
 _SIM = ("--set", "engine.kind=simulated", "--set", "trainer.kind=simulated", "--set", "log.progress=false",
-        "--set", "pipeline.batch_groups=2", "--set", "sampling.n=2", "--set", "engine.simulated.completion_tokens=4")
+        "--set", "pipeline.batch_groups=2", "--set", "sampling.n=2", "--set", "engine.simulated.completion_tokens=4",
+        # the char_class task of 512 prompts without eval rounds, whatever run.py's default config is
+        "--set", 'task.name="char_class"', "--set", "task.num_prompts=512", "--set", "model.warm_start=false",
+        "--set", "eval.every=0")
 
 
 def _sim_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

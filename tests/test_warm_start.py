@@ -90,8 +90,6 @@ def test_an_interrupted_build_leaves_nothing_to_load_and_the_next_run_builds_it(
 
 @pytest.mark.parametrize("overrides, words", [
     ({"model.warm_start": True}, ["model.warm_start", "'char_class' has none", "addition"]),
-    ({"model.warm_start": True, "task.name": "addition", "model.path": "tests"},
-     ["model.warm_start", "cannot start from model.path"]),
     ({"model.warm_start_accuracy": 1.5}, ["model.warm_start_accuracy must be in (0, 1)"]),
 ])
 def test_a_warm_start_that_cannot_be_is_refused_naming_the_key(overrides: dict, words: list[str]) -> None:
@@ -106,3 +104,11 @@ def test_a_shape_without_a_recipe_or_a_task_without_answers_is_refused(tmp_path:
         ws.warm_start("huge", TASK, tmp_path)
     with pytest.raises(ConfigError, match="'char_class' has none"):
         ws.warm_start("tiny", build_task(TaskConfig(), 16), tmp_path)
+
+
+def test_a_model_path_of_your_own_is_used_as_it_is(tmp_path: Path, model_dir: Path) -> None:
+    """model.warm_start concerns the built-in model, as model.shape does: with model.path it is not applied."""
+    from pipeline.build import model_dir as resolve
+
+    cfg = load_config(None, {"model.warm_start": True, "model.path": str(model_dir), "task.name": "char_class"})
+    assert resolve(cfg) == str(model_dir)
