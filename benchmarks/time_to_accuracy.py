@@ -240,6 +240,9 @@ def analyse(runs: list[dict[str, Any]], target: float | None) -> dict[str, Any]:
             ratios = [a[0] / b[0] for a, b in times if a and b and b[0] > 0]
             row["time_ratio_to_K0"] = mean_ci(ratios) if ratios else None
             row["time_ratio_pairs"] = len(ratios)
+        if arm not in ("none", "lr0") and any((k, "none", s) in of for s in seeds):  # what the correction buys at this K
+            pairs = [(of[(k, arm, s)], of[(k, "none", s)]) for s in seeds if (k, arm, s) in of and (k, "none", s) in of]
+            row["final_minus_none"] = mean_ci([a["final"] - b["final"] for a, b in pairs])
         table[f"K{k}-{arm}"] = row
     zero_time = {a: table.get(f"K0-{a}", {}).get("mean_curve_time_to_target_s") for _, a in arms}
     for row in table.values():
@@ -259,14 +262,15 @@ def _ci(c: dict[str, Any] | None, digits: int = 3) -> str:
 def markdown(analysis: dict[str, Any], seeds: int) -> str:
     lines = [f"target accuracy {analysis['target']:.3f} (warm start {analysis['start']:.3f}, best K=0 "
              f"{analysis['base_arm']} {analysis['k0_best']:.3f})", "",
-             "| arm | final | best | time to target s (reached) | steps to target | final − K=0 | time ÷ K=0 "
-             "| mean curve: s to target (÷ K=0) | groups/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| arm | final | best | time to target s (reached) | steps to target | final − K=0 | final − none "
+             "| time ÷ K=0 | mean curve: s to target (÷ K=0) | groups/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in analysis["table"].items():
         lines.append(" | ".join([
             f"| {name}", _ci(row["final"]), _ci(row["best"]),
             f"{_ci(row['time_to_target_s'], 1)} ({row['reached']}/{seeds})", _ci(row["steps_to_target"], 0),
             _ci(row.get("final_minus_K0")) if "final_minus_K0" in row else "",
+            _ci(row.get("final_minus_none")) if "final_minus_none" in row else "",
             (_ci(row.get("time_ratio_to_K0"), 2) + f" ({row['time_ratio_pairs']} pairs)")
             if row.get("time_ratio_to_K0") else ("" if "final_minus_K0" not in row else "not reached"),
             "not reached" if row.get("mean_curve_time_to_target_s") is None else

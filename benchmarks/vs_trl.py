@@ -460,7 +460,7 @@ def race_analysis(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], ta
                     if row["mean_curve_time_ratio_to_trl"] else ""))
     text += (f"\n| trl | {tta._ci(trl_row['final'])} | {tta._ci(trl_row['best'])} | "
              f"{tta._ci(trl_row['time_to_target_s'], 1)} ({trl_row['reached']}/{len(trl_runs)}) | "
-             f"{tta._ci(trl_row['steps_to_target'], 0)} | | | "
+             f"{tta._ci(trl_row['steps_to_target'], 0)} | | | | "
              + ("not reached" if trl_time is None else f"{trl_time:.1f}")
              + f" | {trl_row['samples_per_s']['mean'] / n:.1f} |")
     analysis["table"]["trl"] = {**trl_row, "groups_per_s": {"mean": trl_row["samples_per_s"]["mean"] / n}}
