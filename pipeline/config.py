@@ -152,12 +152,14 @@ class RewardConfig:
 
     functions: tuple[str, ...] = ()  # "package.module:fn" or "path/to/file.py:fn"; () = the built-in task's reward
     weights: tuple[float, ...] = ()  # one per function; () = 1 each; the reward is the weighted sum
+    timeout_s: float = 300.0  # a reward call taking longer fails the groups it scores (reward_error); the run goes on
 
     def __post_init__(self) -> None:
         for i, entry in enumerate(self.functions):
             _check(_REWARD_ENTRY.fullmatch(entry) is not None, f"reward.functions[{i}]",
                    '"package.module:function" or "path/to/file.py:function"', entry)
         _check(len(set(self.functions)) == len(self.functions), "reward.functions", "distinct entries", self.functions)
+        _check(self.timeout_s > 0, "reward.timeout_s", "> 0", self.timeout_s)
         if self.weights and len(self.weights) != len(self.functions):
             raise ConfigError(f"reward.weights has {len(self.weights)} entries for {len(self.functions)} "
                               "reward.functions; give one weight per function, or none")

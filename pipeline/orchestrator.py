@@ -208,9 +208,10 @@ class Pipeline:
             self._early_trainer = await asyncio.to_thread(build.early_trainer_process, cfg)
         # prompts and rewards first: a bad data file is said before a model is built
         items, eval_items, reward = await asyncio.to_thread(build.prompt_sets, cfg, self._user_prompts,
-                                                            self._user_eval_prompts, self._user_reward)
+                                                            self._user_eval_prompts, self._user_reward,
+                                                            self._environment is not None)
         self.source = build.prompt_source(cfg, items, own=self._user_prompts is None, epochs=self._epochs)
-        self.scorer = RewardScorer(reward, self._reward_weights)
+        self.scorer = RewardScorer(reward, self._reward_weights, timeout_s=cfg.reward.timeout_s)
         env_reward = cfg.env.reward if self._environment is not None else None
         # what a checkpoint must have been trained on to be resumed: hashed once, off the loop
         fingerprint = {"data": await asyncio.to_thread(self.source.fingerprint),

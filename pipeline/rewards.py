@@ -18,13 +18,14 @@ a reward function's exception escape as anything else.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
-import time
 from bisect import bisect_right
 from itertools import chain
 from typing import Any, Callable, Sequence
@@ -33,6 +34,7 @@ import numpy as np
 import structlog
 
 from pipeline.errors import ConfigError, RewardError
+from pipeline.threads import USER_CODE
 from pipeline.types import Prompt
 
 log = structlog.get_logger(__name__)
@@ -98,14 +100,14 @@ def load_reward_function(entry: str, key: str = "reward.functions") -> RewardFn:
 class RewardScorer:
     """A weighted sum of reward functions, applied to one group at a time.
 
-    Async functions are awaited on the loop. A sync function runs in a worker thread until its
-    calls prove cheap: once its recent calls average under `inline_below_s`, it runs inline on
-    the loop (a thread hop costs more than such a call); a call that then takes longer than
-    `inline_max_s` sends it back to the thread, so a slow reward never stalls the loop for long.
+    Async functions are awaited on the loop; sync ones run in a daemon worker thread
+    (`pipeline.threads.USER_CODE`), never on the loop itself, so one that never returns holds its
+    thread only. Every call runs under `timeout_s`: one that takes longer is a RewardError for
+    the groups it scores (its thread goes on, and is never waited for).
     """
 
     def __init__(self, fns: RewardFn | Sequence[RewardFn], weights: Sequence[float] | None = None,
-                 inline_below_s: float = 100e-6, inline_max_s: float = 2e-3) -> None:
+                 timeout_s: float = 300.0) -> None:
         self.fns = [fns] if callable(fns) else list(fns)
         if not self.fns:
             raise ValueError("at least one reward function is needed")
@@ -117,31 +119,15 @@ class RewardScorer:
         # classified once: inspect.iscoroutinefunction is slow enough to matter per group
         self.is_async = [inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
                          for fn in self.fns]
-        self.inline_below_s = inline_below_s
-        self.inline_max_s = inline_max_s
-        self._mean_s = [float("inf")] * len(self.fns)  # running mean duration of each sync function
-        self.inline = [False] * len(self.fns)
+        self.timeout_s = timeout_s
         self.batched = [True] * len(self.fns)  # False once a function proved it takes one group per call
-
-    def _timed(self, i: int, args: tuple, kwargs: dict) -> Any:
-        t = time.perf_counter()
-        out = self.fns[i](*args, **kwargs)
-        dt = time.perf_counter() - t
-        m = self._mean_s[i]
-        self._mean_s[i] = dt if m == float("inf") else 0.8 * m + 0.2 * dt
-        if self.inline[i] and dt > self.inline_max_s:
-            self.inline[i] = False
-        elif not self.inline[i] and self._mean_s[i] < self.inline_below_s:
-            self.inline[i] = True
-        return out
 
     async def _call(self, i: int, prompts: list[str], completions: list[str], kwargs: dict) -> Any:
         if self.is_async[i]:
             return await self.fns[i](prompts, completions, **kwargs)
-        if self.inline[i]:
-            out = self._timed(i, (prompts, completions), kwargs)
-        else:
-            out = await asyncio.to_thread(self._timed, i, (prompts, completions), kwargs)
+        call = functools.partial(self.fns[i], prompts, completions, **kwargs)
+        # contextvars travel with the call (as asyncio.to_thread does): log fields stay bound
+        out = await asyncio.get_running_loop().run_in_executor(USER_CODE, contextvars.copy_context().run, call)
         if inspect.isawaitable(out):
             out = await out
         return out
@@ -205,16 +191,15 @@ class RewardScorer:
 
     async def _score_each(self, prompts: Sequence[Prompt], completions: Sequence[list[str]],
                           completion_ids: Sequence[list[list[int]]]) -> list[tuple[np.ndarray, np.ndarray] | RewardError]:
-        """`score_parts` per group: one after another when every function runs inline (a task each
-        would cost more than the call), otherwise concurrently, as separate groups would be."""
+        """`score_parts` per group, concurrently, as separate groups would be."""
         async def one(i: int) -> tuple[np.ndarray, np.ndarray] | RewardError:
             try:
                 return await self.score_parts(prompts[i], completions[i], completion_ids[i])
             except RewardError as e:
                 return e
 
-        if all(self.inline[i] and not self.is_async[i] for i in range(len(self.fns))):
-            return [await one(i) for i in range(len(prompts))]
+        if len(prompts) == 1:
+            return [await one(0)]
         return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
     async def score(self, prompt: Prompt, completions: list[str], completion_ids: list[list[int]]) -> np.ndarray:
@@ -239,11 +224,19 @@ class RewardScorer:
         return self._weights @ parts, parts
 
     async def _invoke(self, i: int, prompts: list[str], completions: list[str], kwargs: dict) -> Any:
-        """Function i's raw output; RewardError if it raised."""
+        """Function i's raw output; RewardError if it raised or took longer than timeout_s."""
+        deadline = asyncio.timeout(self.timeout_s)
         try:
-            return await self._call(i, prompts, completions, kwargs)
+            async with deadline:
+                return await self._call(i, prompts, completions, kwargs)
         except asyncio.CancelledError:
             raise
+        except TimeoutError as e:
+            if not deadline.expired():  # the function's own TimeoutError: its bug, like any other raise
+                raise RewardError(f"reward function {self.names[i]!r} raised TimeoutError: {e}", self.names[i]) from e
+            raise RewardError(f"reward function {self.names[i]!r} took longer than reward.timeout_s = "
+                              f"{self.timeout_s:g} s (it runs on in its thread; its groups failed)",
+                              self.names[i]) from None
         except Exception as e:  # a user's reward bug fails the groups it scored, not the run
             raise RewardError(f"reward function {self.names[i]!r} raised {type(e).__name__}: {e}",
                               self.names[i]) from e

@@ -1,4 +1,4 @@
-"""RewardScorer's invariants: n finite floats or RewardError; cheap sync rewards inline, slow ones in a thread."""
+"""RewardScorer's invariants: n finite floats or RewardError; sync rewards off the loop, under a timeout."""
 
 from __future__ import annotations
 
@@ -17,14 +17,11 @@ from pipeline.types import Prompt
 PROMPT = Prompt(id="p0", text="2+2=", token_ids=(1, 2, 3, 4), meta={"answer": "4", "level": 1})
 COMPLETIONS = ["4", "5", "four", ""]
 COMPLETION_IDS = [[10], [11], [12, 13, 14, 15], []]
-# Wide margins so a loaded CI machine cannot flip a classification: a trivial call takes microseconds.
-INLINE_BELOW_S = 2e-3
-INLINE_MAX_S = 20e-3
 SLOW_S = 0.05
 
 
-def _scorer(fns: Any, weights: list[float] | None = None) -> RewardScorer:
-    return RewardScorer(fns, weights, inline_below_s=INLINE_BELOW_S, inline_max_s=INLINE_MAX_S)
+def _scorer(fns: Any, weights: list[float] | None = None, timeout_s: float = 300.0) -> RewardScorer:
+    return RewardScorer(fns, weights, timeout_s=timeout_s)
 
 
 def _score(scorer: RewardScorer) -> np.ndarray:
@@ -60,15 +57,15 @@ def _calls_on_loop(scorer: RewardScorer, fn: Recorder, calls: int) -> list[bool]
     return asyncio.run(main())
 
 
-def test_fast_sync_reward_moves_inline_after_its_first_call():
+def test_a_sync_reward_never_runs_on_the_event_loop():
+    """A sync reward that hangs on the loop's thread would stop everything: timers, signals, the rest."""
     fn = Recorder()
     scorer = _scorer(fn)
-    assert scorer.inline == [False]
-    assert _calls_on_loop(scorer, fn, 4) == [False, True, True, True]
-    assert scorer.inline == [True]
+    assert _calls_on_loop(scorer, fn, 20) == [False] * 20
+    assert all(t.daemon for t in threading.enumerate() if t.name.startswith("user-code"))
 
 
-def test_slow_sync_reward_stays_in_a_thread_and_the_loop_runs_meanwhile():
+def test_a_slow_sync_reward_leaves_the_loop_running_meanwhile():
     fn = Recorder()
     fn.delay_s = SLOW_S
     scorer = _scorer(fn)
@@ -94,23 +91,39 @@ def test_slow_sync_reward_stays_in_a_thread_and_the_loop_runs_meanwhile():
     out, ticks = asyncio.run(main())
     np.testing.assert_array_equal(out, [1.0, 1.0, 4.0, 0.0])
     assert ticks >= 3  # the loop kept running while the reward slept in its thread
-    assert _calls_on_loop(scorer, fn, 2) == [False, False]
-    assert scorer.inline == [False]
 
 
-def test_inline_reward_that_turns_slow_goes_back_to_a_thread():
-    fn = Recorder()
-    scorer = _scorer(fn)
-    assert _calls_on_loop(scorer, fn, 2) == [False, True]
-    fn.delay_s = SLOW_S
-    # the slow call itself ran inline (nothing could know in advance), the next one is in a thread
-    assert _calls_on_loop(scorer, fn, 2) == [True, False]
-    assert scorer.inline == [False]
-    fn.delay_s = 0.0
-    # one fast call does not outweigh the slow one in the running mean; a run of fast calls does
-    on_loop = _calls_on_loop(scorer, fn, 30)
-    assert on_loop[0] is False and on_loop[-1] is True
-    assert scorer.inline == [True]
+def test_a_reward_that_never_returns_fails_only_its_groups_after_the_timeout():
+    stuck = threading.Event()
+
+    def sometimes_stuck(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        if any("stuck" in p for p in prompts):
+            stuck.wait()  # never set: this call never returns
+        return [1.0] * len(completions)
+
+    scorer = _scorer(sometimes_stuck, timeout_s=0.3)
+    prompts = [Prompt(id=f"p{i}", text="stuck" if i == 1 else "fine", token_ids=(1,), meta={}) for i in range(3)]
+
+    async def main() -> list[Any]:
+        t = time.monotonic()
+        out = await scorer.score_many(prompts, [["a", "b"]] * 3, [[[1], [2]]] * 3)
+        return [out, time.monotonic() - t]
+
+    out, seconds = asyncio.run(main())
+    assert isinstance(out[1], RewardError) and "took longer than reward.timeout_s = 0.3 s" in str(out[1])
+    assert out[1].function == "sometimes_stuck"
+    np.testing.assert_array_equal(out[0], [1.0, 1.0])
+    np.testing.assert_array_equal(out[2], [1.0, 1.0])
+    assert seconds < 3  # the batched call's timeout, then the stuck group's own: not a wait for the thread
+    stuck.set()
+
+
+def test_a_timeout_the_reward_raises_itself_is_its_error_not_ours():
+    def raises(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+        raise TimeoutError("the grader's server did not answer")
+
+    with pytest.raises(RewardError, match="raised TimeoutError: the grader's server did not answer"):
+        _score(_scorer(raises))
 
 
 def test_async_reward_functions_are_awaited_on_the_loop():

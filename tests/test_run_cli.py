@@ -288,6 +288,26 @@ def test_a_real_run_prints_no_library_warnings(tmp_path: Path) -> None:
     assert "Warning" not in proc.stderr and "warn(" not in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_a_reward_that_never_returns_for_some_prompts_fails_their_groups_and_the_run_ends(tmp_path: Path) -> None:
+    # a sync reward ran inline on the event loop once it had been fast: its first hang froze the
+    # whole process, deaf to signals
+    rewards = tmp_path / "stuck_rewards.py"
+    rewards.write_text("import time\n"
+                       "def sometimes_stuck(prompts, completions, **kw):\n"
+                       "    while any(p.startswith('b') for p in prompts):\n"
+                       "        time.sleep(0.05)\n"
+                       "    return [0.5] * len(completions)\n")
+    run_dir = tmp_path / "run"
+    proc = _sim_cli("--steps", "6", "--set", f'reward.functions=["{rewards}:sometimes_stuck"]',
+                    "--set", "reward.timeout_s=1", "--out", str(run_dir), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["accounting_ok"] and summary["groups_failed"]["reward_error"] >= 1
+    timed_out = [e for e in _events(run_dir) if e["event"] == "group_failed" and "reward.timeout_s" in e["error"]]
+    assert timed_out and all(e["function"] == "sometimes_stuck" for e in timed_out)
+
+
 _STUCK = ("--set", "env.step_timeout_s=1", "--set", 'env.reward="env"', "--set", "env.max_turns=2")
 
 
