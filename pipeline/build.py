@@ -69,9 +69,12 @@ def environment(cfg: RunConfig, own_prompts: bool) -> Any:
 
 
 def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Sequence[Any] | None,
-                reward: Any) -> tuple[list[Any], list[Any], Any]:
-    """(training items, eval items, reward) from the caller, the data files or the built-in task."""
+                reward: Any, env: bool = False) -> tuple[list[Any], list[Any], Any]:
+    """(training items, eval items, reward) from the caller, the data files or the built-in task.
+    Data files' rows must hold their prompts, unless an environment (`env`) writes them."""
     from pipeline.data import load_rows
+
+    field = None if env else cfg.data.prompt_field
 
     task = None
     if (prompts is None and not cfg.data.train) or reward is None:  # the built-in task gives prompts or reward
@@ -79,12 +82,12 @@ def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Seq
     if prompts is not None:
         items = list(prompts)
     else:
-        items = load_rows(cfg.data.train, "data.train", cfg.data.prompt_field) if cfg.data.train else task.prompts
+        items = load_rows(cfg.data.train, "data.train", field) if cfg.data.train else task.prompts
     eval_items: list[Any] = []
     if eval_prompts is not None:
         eval_items = list(eval_prompts)
     elif cfg.data.eval:
-        eval_items = load_rows(cfg.data.eval, "data.eval", cfg.data.prompt_field)
+        eval_items = load_rows(cfg.data.eval, "data.eval", field)
     elif cfg.eval.every and task is not None and prompts is None and not cfg.data.train:
         # the built-in task's held-out split, or prompts it draws with another seed
         eval_items = task.eval_prompts if task.eval_prompts is not None else \

@@ -60,7 +60,7 @@ def test_a_data_file_that_is_not_a_data_set_exits_2_naming_it(tmp_path: Path) ->
     proc = run_py("--config", str(EXAMPLE / "config.toml"), "--out", str(tmp_path / "run"),
                   "--set", f"data.train={bad}", "--set", f"model.cache_dir={tmp_path / 'models'}", timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert "data.train" in proc.stderr and "train.jsonl" in proc.stderr and "cannot be read" in proc.stderr
+    assert "data.train" in proc.stderr and "train.jsonl" in proc.stderr and "not valid JSON lines: line 1" in proc.stderr
 
 
 def test_message_rows_without_a_chat_template_end_the_run_naming_the_reason(tmp_path: Path) -> None:

@@ -357,7 +357,7 @@ def test_a_rank_started_by_torchrun_elsewhere_joins_at_the_rendezvous(model_dir:
         assert got.metrics["train/loss"] == pytest.approx(expected.metrics["train/loss"], rel=1e-5)
         assert got.metrics["train/sequences"] == 9
         t.close()
-        assert remote.wait(30) == 0
+        assert remote.wait(30) == 0, remote.communicate()[0][-3000:]
     finally:
         t.close()
         if remote.poll() is None:
