@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 TARGETS = {
     "loss": ["tests/test_loss.py", "tests/test_trainer_learning.py"],
     "buffer": ["tests/test_buffer.py"],
-    "scoring": ["tests/test_scoring.py", "tests/test_rewards.py"],
-    "training": ["tests/test_training.py"],
+    "scoring": ["tests/test_scoring.py", "tests/test_rewards.py", "tests/test_episodes.py"],
+    "training": ["tests/test_training.py", "tests/test_orchestrator.py"],
     "trainer": ["tests/test_trainer.py", "tests/test_trainer_learning.py"],
     "episodes": ["tests/test_episodes.py"],
     "ledger": ["tests/test_ledger.py"],
