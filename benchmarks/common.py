@@ -303,3 +303,35 @@ def mean_ci(xs: list[float]) -> dict:
         return {"mean": m, "ci95": float("nan"), "n": n}
     sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
     return {"mean": m, "ci95": t975(n - 1) * sd / math.sqrt(n), "n": n}
+
+
+async def runs_on_one_vllm_engine(todo: Sequence[Mapping[str, Any]], model_path: str, max_staleness: int,
+                                  collect: Any, report: Any, prefix: str) -> list[dict[str, Any]]:
+    """Each job's Pipeline run in turn on one vLLM engine on cuda:0, started once (a Pipeline leaves
+    an engine it did not build running, without its adapters), the trainer beside it on the same
+    GPU; `collect(job, pipeline, summary, seconds)` makes each run's record, `report(record)` prints it."""
+    import tempfile
+
+    from pipeline.config_io import load_config
+    from pipeline.engines.vllm import VLLMEngine
+    from pipeline.orchestrator import Pipeline
+
+    cfg = load_config(None, {**todo[0]["overrides"], "model.path": model_path})
+    engine = VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device="cuda:0",
+                        max_staleness=max_staleness, name="vllm-0")
+    t = time.monotonic()
+    await engine.start()
+    print(f"vLLM engine started in {time.monotonic() - t:.1f} s", flush=True)
+    runs = []
+    try:
+        for job in todo:
+            with tempfile.TemporaryDirectory(prefix=f"{prefix}-") as out:
+                t0 = time.monotonic()
+                p = Pipeline(load_config(None, {**job["overrides"], "model.path": model_path, "out": out}),
+                             engines=[engine], console=False)
+                summary = await p.run()
+            runs.append(record := collect(job, p, summary, time.monotonic() - t0))
+            report(record)
+    finally:
+        await engine.close()
+    return runs

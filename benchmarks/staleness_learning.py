@@ -39,7 +39,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import mean_ci  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
+import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
+from common import mean_ci  # noqa: E402
 
 ARMS = {
     "none": {"loss.correction": "none"},
@@ -77,37 +78,6 @@ def collect(job: dict, p: object, summary: dict, seconds: float) -> dict:
             "staleness_max": max(r["staleness_max"] for r in steps),
             "clipped_frac": mean("train/clipped_frac", 0.0), "truncated_frac": mean("train/truncated_frac", 0.0),
             "ess": mean("train/ess", 1.0), "entropy": mean("train/entropy", float("nan"))}
-
-
-async def vllm_runs(todo: list[dict], ks: list[int]) -> list[dict]:
-    """The runs one after another on one vLLM engine, started once (each Pipeline leaves an engine
-    it did not build running), with the trainer on the same GPU."""
-    from pipeline.config_io import load_config
-    from pipeline.engines.vllm import VLLMEngine
-    from pipeline.models import build_model
-    from pipeline.orchestrator import Pipeline
-
-    cfg = load_config(None, todo[0]["overrides"])
-    model_path = str(build_model(cfg.model.shape, cfg.model.cache_dir, seed=0))
-    engine = VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device="cuda:0",
-                        max_staleness=max(ks), name="vllm-0")
-    t = time.monotonic()
-    await engine.start()
-    print(f"vLLM engine started in {time.monotonic() - t:.1f} s", flush=True)
-    runs = []
-    try:
-        for job in todo:
-            with tempfile.TemporaryDirectory(prefix="staleness_learning-") as out:
-                t0 = time.monotonic()
-                p = Pipeline(load_config(None, {**job["overrides"], "model.path": model_path, "out": out}),
-                             engines=[engine], console=False)
-                summary = await p.run()
-            runs.append(r := collect(job, p, summary, time.monotonic() - t0))
-            print(f"{r['name']:>14}: final eval {r['final_eval']:.3f} (first {r['first_eval']:.3f}), "
-                  f"{r['seconds']:.0f} s", flush=True)
-    finally:
-        await engine.close()
-    return runs
 
 
 def jobs(args: argparse.Namespace) -> list[dict]:
@@ -270,7 +240,18 @@ def main() -> None:
         import asyncio
 
         print(f"{len(todo)} runs on one vLLM engine")
-        runs = asyncio.run(vllm_runs(todo, args.ks))
+        from pipeline.config_io import load_config
+        from pipeline.models import build_model
+
+        cfg = load_config(None, todo[0]["overrides"])
+        model_path = str(build_model(cfg.model.shape, cfg.model.cache_dir, seed=0))
+
+        def report(r: dict) -> None:
+            print(f"{r['name']:>14}: final eval {r['final_eval']:.3f} (first {r['first_eval']:.3f}), "
+                  f"{r['seconds']:.0f} s", flush=True)
+
+        runs = asyncio.run(common.runs_on_one_vllm_engine(todo, model_path, max(args.ks), collect, report,
+                                                          "staleness_learning"))
     else:
         from pipeline.models import build_model
 

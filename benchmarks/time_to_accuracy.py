@@ -148,33 +148,6 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
         return collect(job, p, summary, time.monotonic() - t0)
 
 
-async def vllm_runs(todo: list[dict[str, Any]], model_path: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The runs one after another on one vLLM engine, started once (a Pipeline leaves an engine it
-    did not build running, without its adapters), with the trainer on the same GPU."""
-    from pipeline.config_io import load_config
-    from pipeline.engines.vllm import VLLMEngine
-    from pipeline.orchestrator import Pipeline
-
-    cfg = load_config(None, todo[0]["overrides"])
-    engine = VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device="cuda:0",
-                        max_staleness=max(args.ks), name="vllm-0")
-    t = time.monotonic()
-    await engine.start()
-    print(f"vLLM engine started in {time.monotonic() - t:.1f} s", flush=True)
-    runs = []
-    try:
-        for job in todo:
-            with tempfile.TemporaryDirectory(prefix=f"{BENCHMARK}-") as out:
-                t0 = time.monotonic()
-                p = Pipeline(load_config(None, {**job["overrides"], "out": out}), engines=[engine], console=False)
-                summary = await p.run()
-            runs.append(r := collect(job, p, summary, time.monotonic() - t0))
-            report(r)
-    finally:
-        await engine.close()
-    return runs
-
-
 def report(r: dict[str, Any]) -> None:
     print(f"{r['name']:>12}: accuracy {r['first']:.3f} -> {r['final']:.3f} (best {r['best']:.3f}), "
           f"{r['wall_s']:.0f} s training, {r['groups_per_s']:.1f} groups/s", flush=True)
@@ -317,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result = json.loads(path.read_text())
         target = result["settings"].get("target")
         result["analysis"] = analyse(result["runs"], target)
-        result["table_markdown"] = markdown(result["analysis"], result["seeds"])
+        result["table_markdown"] = result["printed"] = markdown(result["analysis"], result["seeds"])
         print(result["table_markdown"])
         common.write_json(path, result)
         plot(result, path.with_suffix(".png"))
@@ -339,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     print(f"{len(todo)} runs", flush=True)
     if args.engine == "vllm":
-        runs = common.run_async(vllm_runs(todo, model_path, args))
+        runs = common.run_async(common.runs_on_one_vllm_engine(todo, model_path, max(args.ks), collect, report,
+                                                               BENCHMARK))
     else:
         runs = []
         for job in todo:
@@ -355,7 +329,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               "load_note": common.load_note(machine_load, hw["cpu_affinity"]), "wall_s": time.monotonic() - t0,
               "seeds": args.seeds, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot_only")},
               "model_path": model_path, "warm_start": json.loads((Path(model_path) / "warm_start.json").read_text()),
-              "analysis": analysis, "table_markdown": text, "runs": runs}
+              "analysis": analysis, "table_markdown": text, "printed": text, "runs": runs}
     name = f"{BENCHMARK}_{args.engine}_{args.model_shape}_{tag}{args.tag}"
     out = Path(args.out)
     common.write_json(out / f"{name}.json", result)

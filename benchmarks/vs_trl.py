@@ -50,6 +50,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -416,13 +417,28 @@ def run_trl_addition(ours: argparse.Namespace, args: argparse.Namespace, model_p
     return result
 
 
-def trl_in_child(*call: Any) -> dict[str, Any]:
-    """run_trl_addition(*call) in a fresh (spawned) process."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+def trl_in_child(ours: argparse.Namespace, args: argparse.Namespace, model_path: str, seed: int,
+                 rows: list[dict[str, Any]], held_out: list[dict[str, Any]], out_dir: Path) -> dict[str, Any]:
+    """run_trl_addition in a fresh process of this script (`--trl-child FILE`), its call and its result
+    passed as JSON files: nothing of TRL's is left in this process afterwards."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    call = out_dir / "trl_call.json"
+    call.write_text(json.dumps({"ours": vars(ours), "args": vars(args), "model_path": model_path, "seed": seed,
+                                "rows": rows, "held_out": held_out, "out_dir": str(out_dir)}))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-child", str(call)])
+    result = out_dir / "trl_result.json"
+    if proc.returncode != 0 or not result.is_file():
+        raise RuntimeError(f"TRL's run (seed {seed}) failed in its process, exit code {proc.returncode}")
+    return json.loads(result.read_text())
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(run_trl_addition, *call).result()
+
+def _trl_child(path: str) -> None:
+    """The child's side of trl_in_child: run, then write the result beside the call."""
+    call = json.loads(Path(path).read_text())
+    out_dir = Path(call["out_dir"])
+    result = run_trl_addition(argparse.Namespace(**call["ours"]), argparse.Namespace(**call["args"]),
+                              call["model_path"], call["seed"], call["rows"], call["held_out"], out_dir)
+    (out_dir / "trl_result.json").write_text(json.dumps(common.jsonable(result)))
 
 
 def race_analysis(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], target: float | None, seeds: int,
@@ -495,7 +511,8 @@ def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[
                           {"settings": vars(ours), "trl_runs": trl_runs})
     todo = tta.jobs(ours, model_path)
     if ours.engine == "vllm":
-        runs = common.run_async(tta.vllm_runs(todo, model_path, ours))
+        runs = common.run_async(common.runs_on_one_vllm_engine(todo, model_path, max(ours.ks), tta.collect,
+                                                               tta.report, tta.BENCHMARK))
     else:
         runs = []
         for job in todo:
@@ -510,6 +527,7 @@ def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[
               "machine_load": machine_load, "load_note": common.load_note(machine_load, hw["cpu_affinity"]),
               "seeds": args.seeds, "settings": vars(ours), "model_path": model_path,
               "trl": trl_settings(trl_namespace(ours, args)) if trl_runs else None, "analysis": analysis, "table_markdown": text,
+              "printed": text,
               "runs": runs, "trl_runs": trl_runs}
     name = f"{BENCHMARK}_addition_{ours.engine}_{ours.model_shape}_{tag}"
     common.write_json(out / f"{name}.json", record)
@@ -519,6 +537,10 @@ def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--trl-child"]:  # trl_in_child's process
+        _trl_child(argv[1])
+        return {}
     args = parse_args(argv)
     if args.task == "addition" and args.reanalyse:
         import time_to_accuracy as tta
@@ -527,6 +549,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         record = json.loads(path.read_text())
         record["analysis"], record["table_markdown"] = race_analysis(
             record["runs"], record["trl_runs"], record["settings"].get("target"), record["seeds"], record["settings"]["n"])
+        record["printed"] = record["table_markdown"]
         print(record["table_markdown"])
         common.write_json(path, record)
         tta.plot(record, path.with_suffix(".png"))

@@ -746,3 +746,72 @@ def test_no_benchmark_writes_into_the_committed_results_unless_told_to() -> None
         assert all("DEFAULT_OUT" in v or v.strip("\"'") == "runs/benchmarks" for v in values), (name, values)
     common = load("common")
     assert common.DEFAULT_OUT == REPO / "runs" / "benchmarks" and "runs/" in (REPO / ".gitignore").read_text()
+
+
+# --------------------------------------------------------------------------- time to accuracy
+
+
+@pytest.fixture
+def quick_warm_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny shape's warm start cut to 20 steps (its target out of reach): a model in seconds."""
+    from pipeline import warm_start as ws
+
+    monkeypatch.setitem(ws.RECIPES, "tiny", ws.Recipe(lr=1e-3, batch=64, max_steps=20, check_every=10))
+
+
+def test_time_to_accuracy_times_each_arm_and_pairs_seeds(tmp_path: Path, quick_warm_start: None) -> None:
+    tta = load("time_to_accuracy")
+    rec = tta.main(["--ks", "0", "1", "--arms", "tis", "--seeds", "2", "--steps", "6", "--eval-every", "3",
+                    "--eval-prompts", "500", "--eval-n", "1", "--num-prompts", "64", "--model-cache", str(tmp_path / "m"),
+                    "--warm-start-accuracy", "0.9", "--out", str(tmp_path)])
+    data = read_json(tmp_path / f"time_to_accuracy_transformers_tiny_{rec['hardware_tag']}.json")
+    assert sorted(r["name"] for r in data["runs"]) == sorted(f"K{k}-{a}-s{s}" for s in (0, 1)
+                                                              for k, a in ((0, "tis"), (1, "tis"), (0, "lr0")))
+    for r in data["runs"]:
+        assert [c[0] for c in r["curve"]] == [0, 3, 6] and r["curve"][0][1] == 0.0
+        assert r["curve"][1][1] < r["curve"][2][1]  # wall time at each eval's version, increasing
+    a = data["analysis"]
+    assert a["target"] == pytest.approx(a["start"] + 0.5 * (a["k0_best"] - a["start"]))
+    k1 = a["table"]["K1-tis"]
+    # the paired difference is the mean of each seed's difference
+    finals = {(r["k"], r["seed"]): r["final"] for r in data["runs"] if r["arm"] == "tis"}
+    assert k1["final_minus_K0"]["mean"] == pytest.approx(np.mean([finals[(1, s)] - finals[(0, s)] for s in (0, 1)]))
+    # a target never reached is said, never timed
+    again = tta.analyse(data["runs"], target=2.0)
+    assert all(row["time_to_target_s"] is None and row["reached"] == 0 for row in again["table"].values())
+    assert "not reached (0/2)" in tta.markdown(again, 2)
+    assert (tmp_path / f"time_to_accuracy_transformers_tiny_{rec['hardware_tag']}.png").stat().st_size > 0
+
+
+def test_time_to_accuracy_refuses_an_eval_set_too_small_to_tell_arms_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    tta = load("time_to_accuracy")
+    with pytest.raises(SystemExit) as e:
+        tta.parse_args(["--eval-prompts", "100"])
+    assert e.value.code == 2 and "--eval-prompts must be >= 500" in capsys.readouterr().err
+    from pipeline.config import TaskConfig
+    from pipeline.errors import ConfigError
+    from pipeline.tasks import build_task
+
+    with pytest.raises(ConfigError, match="fewer than the 900 asked for"):  # more than the held-out split holds
+        build_task(TaskConfig(name="addition", num_eval_prompts=900), 4)
+
+
+def test_the_mean_curve_crossing_interpolates_between_eval_rounds() -> None:
+    tta = load("time_to_accuracy")
+    curve = [(0, 0.0, 0.2), (10, 4.0, 0.3), (20, 8.0, 0.5)]
+    assert tta.crossing(curve, 0.4, 1) == pytest.approx(6.0) and tta.crossing(curve, 0.4, 0) == pytest.approx(15.0)
+    assert tta.crossing(curve, 0.1, 1) == 0.0 and tta.crossing(curve, 0.6, 1) is None
+
+
+@pytest.mark.slow
+def test_vs_trl_races_trl_to_an_accuracy_on_the_same_model(tmp_path: Path, quick_warm_start: None) -> None:
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    vt = load("vs_trl")
+    rec = vt.main(["--task", "addition", "--staleness", "0,1", "--steps", "4", "--eval-every", "2", "--eval-n", "1",
+                   "--eval-prompts", "500", "--model-cache", str(tmp_path / "m"), "--out", str(tmp_path)])
+    assert [r["system"] for r in rec["trl_runs"]] == ["trl"] and [c[0] for c in rec["trl_runs"][0]["curve"]] == [0, 2, 4]
+    table = rec["analysis"]["table"]
+    assert set(table) == {"K0-tis", "K1-tis", "trl"} and "time_ratio_to_trl" in table["K1-tis"]
+    # the same warm-started model on both sides: their first evals sample one model
+    assert abs(rec["trl_runs"][0]["first"] - rec["runs"][0]["first"]) < 0.1

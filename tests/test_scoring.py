@@ -17,13 +17,13 @@ from typing import Any
 import pytest
 from conftest import sim_config
 from episode_envs import Echo
+from test_episodes import KeepingTrainer
 
 from pipeline.config_io import load_config
 from pipeline.engines.simulated import SimulatedEngine
 from pipeline.orchestrator import Pipeline
 from pipeline.rollout_log import read_rollouts
-from pipeline.trainer import SimulatedTrainer
-from pipeline.types import Batch, Completion
+from pipeline.types import Completion
 
 
 def of_tokens(ids: Any) -> float:
@@ -83,16 +83,6 @@ class OneAtATime:
         await self.inner.close()
 
 
-class Keeping(SimulatedTrainer):
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches: list[Batch] = []
-
-    def step(self, batch: Batch) -> Any:
-        self.batches.append(batch)
-        return super().step(batch)
-
-
 def _assert_paired_in_the_log(p: Pipeline) -> int:
     r = read_rollouts(p.run_dir / "rollouts.zarr")
     checked, lengths = 0, set()
@@ -108,7 +98,7 @@ def _assert_paired_in_the_log(p: Pipeline) -> int:
     return len(lengths)
 
 
-def _assert_paired_in_training(trainer: Keeping) -> None:
+def _assert_paired_in_training(trainer: KeepingTrainer) -> None:
     assert trainer.batches
     for batch in trainer.batches:
         for g in batch.groups:
@@ -119,7 +109,7 @@ def _assert_paired_in_training(trainer: Keeping) -> None:
 def test_each_reward_is_its_own_completions_on_the_simulated_engine(tmp_path: Path, max_wave: int) -> None:
     cfg = sim_config(tmp_path, B=4, n=4, steps=5, **{"engine.simulated.completion_tokens": 9,
                                                      "sampling.max_new_tokens": 9, "eval.every": 2, "eval.n": 3})
-    trainer = Keeping()
+    trainer = KeepingTrainer()
     engine = Ragged(cfg.engine.simulated, name="ragged", seed=0)
     p = Pipeline(cfg, prompts=ROWS, reward=token_reward, engines=[engine if max_wave > 1 else OneAtATime(engine)],
                  trainer=trainer,
@@ -133,7 +123,7 @@ def test_each_reward_is_its_own_episodes(tmp_path: Path) -> None:
     """An episode's reward functions score its whole transcript: the policy's turns and the replies."""
     cfg = sim_config(tmp_path, B=3, n=3, steps=4, **{"engine.simulated.completion_tokens": 3,
                                                      "sampling.max_new_tokens": 3, "env.reward": "functions"})
-    trainer = Keeping()
+    trainer = KeepingTrainer()
     rows = [{"id": str(i), "turns": 1 + i % 3} for i in range(30)]  # episodes of one to three turns
     p = Pipeline(cfg, prompts=rows, reward=token_reward, environment=Echo, trainer=trainer, console=False)
     p.run_sync()

@@ -61,24 +61,10 @@ def _random_batch(seed: int = 0, n: int = 4, lengths: tuple[int, ...] = (2, 7, 4
 
 def _reference_gradients(trainer: LoRATrainer, batch: Batch, cap: float) -> dict[str, torch.Tensor]:
     """TIS token_mean written out independently: -(1/T) sum_t min(exp(lp_t - beh_t), C) A lp_t."""
-    model = trainer.model
-    model.zero_grad(set_to_none=True)
-    terms, count = [], 0
-    for g in batch.groups:
-        r = torch.as_tensor(g.rewards, dtype=torch.float32)
-        adv = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
-        for c, a in zip(g.completions, adv):
-            ids = torch.tensor([list(g.prompt.token_ids) + c.token_ids.tolist()])
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
-            start = len(g.prompt.token_ids) - 1
-            lp = logp[start:start + len(c.token_ids)].gather(-1, torch.as_tensor(c.token_ids)[:, None]).squeeze(-1)
-            w = torch.exp(lp.detach() - torch.as_tensor(c.logprobs)).clamp(max=cap)
-            terms.append((w * a * lp).sum())
-            count += len(c.token_ids)
-    (-torch.stack(terms).sum() / count).backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer._trainable()}
-    model.zero_grad(set_to_none=True)
-    return grads
+    rewards = [torch.as_tensor(g.rewards, dtype=torch.float32) for g in batch.groups]
+    advantages = [(r - r.mean()) / (r.std(unbiased=False) + 1e-6) for r in rewards]
+    return _gradients_for(trainer, batch, advantages, sum(len(c.token_ids) for g in batch.groups for c in g.completions),
+                          cap)
 
 
 def test_behaviour_logprobs_change_the_gradient_as_the_formula_says(model_dir):
