@@ -183,19 +183,27 @@ def test_rewards_env_functions_or_their_sum(tmp_path: Path) -> None:
     def length(prompts: list[str], completions: list[str], **kw: Any) -> list[float]:
         return [float(len(c)) for c in completions]
 
-    for mode, expect in (("env", lambda env, fn: env), ("functions", lambda env, fn: fn),
-                         ("sum", lambda env, fn: env + fn)):
+    # a weight of 2: the weighted total and each part's own (unweighted) values differ
+    for mode, expect in (("env", lambda env, fn: env), ("functions", lambda env, fn: 2 * fn),
+                         ("sum", lambda env, fn: env + 2 * fn)):
         cfg = sim_config(tmp_path / mode, steps=2, **{"env.reward": mode, "engine.simulated.completion_tokens": 3,
                                                       "sampling.max_new_tokens": 3})
         trainer = KeepingTrainer()
-        p = Pipeline(cfg, prompts=ROWS, environment=Echo, reward=length, trainer=trainer, console=False)
+        p = Pipeline(cfg, prompts=ROWS, environment=Echo, reward=length, reward_weights=[2.0], trainer=trainer,
+                     console=False)
         p.run_sync()
         g = trainer.batches[0].groups[0]
         texts = [p.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True) for c in g.completions]
         fn = np.array([len(t) for t in texts], dtype=float)
         np.testing.assert_allclose(g.rewards, expect(np.full(2, 3.0), fn))
         assert p.scoring.names == {"env": ["env"], "functions": ["length"], "sum": ["env", "length"]}[mode]
-        assert f"reward/{p.scoring.names[-1]}" in p.metrics_rows[0]
+        step1 = trainer.batches[0].groups
+        if mode != "env":  # reward/<function> is the function's own mean over the step's batch, unweighted
+            lengths = [len(p.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True))
+                       for gr in step1 for c in gr.completions]
+            assert p.metrics_rows[0]["reward/length"] == pytest.approx(np.mean(lengths))
+        if mode != "functions":
+            assert p.metrics_rows[0]["reward/env"] == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("engine_kind", ["transformers", "vllm_server"])
