@@ -82,7 +82,7 @@ def _resume_config_file(run_dir: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from pipeline.config_io import load_config, parse_override
+    from pipeline.config.io import load_config, parse_override
     from pipeline.errors import ConfigError
 
     try:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_error_line(str(e)), file=sys.stderr)
         return 2
 
-    from pipeline.orchestrator import Pipeline
+    from pipeline.loop.orchestrator import Pipeline
 
     try:
         pipeline = Pipeline(cfg, resume=args.resume is not None, force_resume=args.force_resume,

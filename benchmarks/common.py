@@ -249,7 +249,7 @@ async def idle_loop_lag(seconds: float = 2.0) -> dict[str, float]:
 
     The floor under every lag figure a run reports on this machine: timer granularity, and the
     scheduling noise of a shared or virtual machine (a 2-core VM showed p99 ~3 ms on an idle loop)."""
-    from pipeline.metrics import LoopLagMonitor
+    from pipeline.observe.metrics import LoopLagMonitor
 
     monitor = LoopLagMonitor()
     monitor.start()
@@ -312,9 +312,9 @@ async def runs_on_one_vllm_engine(todo: Sequence[Mapping[str, Any]], model_path:
     GPU; `collect(job, pipeline, summary, seconds)` makes each run's record, `report(record)` prints it."""
     import tempfile
 
-    from pipeline.config_io import load_config
+    from pipeline.config.io import load_config
     from pipeline.engines.vllm import VLLMEngine
-    from pipeline.orchestrator import Pipeline
+    from pipeline.loop.orchestrator import Pipeline
 
     cfg = load_config(None, {**todo[0]["overrides"], "model.path": model_path})
     engine = VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device="cuda:0",

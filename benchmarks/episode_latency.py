@@ -31,9 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import DEFAULT_OUT, hardware, hardware_tag, header, parse_list, run_async, table, write_json  # noqa: E402
-from pipeline.config_io import load_config  # noqa: E402
-from pipeline.environments import EnvStep  # noqa: E402
-from pipeline.orchestrator import Pipeline  # noqa: E402
+from pipeline.config.io import load_config  # noqa: E402
+from pipeline.envs import EnvStep  # noqa: E402
+from pipeline.loop.orchestrator import Pipeline  # noqa: E402
 
 
 class LatentEnv:

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dataclasses import replace  # noqa: E402
 
-from pipeline.config import WARM_START_TASKS  # noqa: E402
-from pipeline.config_io import load_config  # noqa: E402
-from pipeline.orchestrator import Pipeline  # noqa: E402
+from pipeline.config.schema import WARM_START_TASKS  # noqa: E402
+from pipeline.config.io import load_config  # noqa: E402
+from pipeline.loop.orchestrator import Pipeline  # noqa: E402
 
 
 def hardware() -> dict:
@@ -76,7 +76,7 @@ async def main(args: argparse.Namespace) -> dict:
     engines = None
     if args.engine == "vllm":
         from pipeline.engines.vllm import VLLMEngine
-        from pipeline.models import build_model
+        from pipeline.models.builtin import build_model
 
         model_path = cfg.model.path or str(build_model(cfg.model.shape, cfg.model.cache_dir, seed=cfg.seed))
         cfg = load_config(args.config, {**overrides, "model.path": model_path})

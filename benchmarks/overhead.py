@@ -52,9 +52,9 @@ from typing import Any, Sequence
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
-from pipeline.config_io import load_config  # noqa: E402
-from pipeline.orchestrator import Pipeline  # noqa: E402
-from pipeline.runtime import quiet_gc, restore_gc  # noqa: E402
+from pipeline.config.io import load_config  # noqa: E402
+from pipeline.loop.orchestrator import Pipeline  # noqa: E402
+from pipeline.loop.runtime import quiet_gc, restore_gc  # noqa: E402
 
 BENCHMARK = "overhead"
 TARGET_GROUPS_PER_S = 20_000  # the issue's target with n=8 on one core
@@ -120,7 +120,7 @@ async def components(n: int, tokens: int, groups: int, B: int, tmp: Path) -> dic
     """`_components` under the garbage-collector settings a run uses (what exists is frozen, young
     passes every pipeline.gc_threshold allocations): with Python's defaults, the thousands of
     completions kept here cost more in collections than the work measured."""
-    from pipeline.config import PipelineConfig
+    from pipeline.config.schema import PipelineConfig
 
     before = quiet_gc(PipelineConfig().gc_threshold)
     try:
@@ -132,10 +132,10 @@ async def components(n: int, tokens: int, groups: int, B: int, tmp: Path) -> dic
 async def _components(n: int, tokens: int, groups: int, B: int, tmp: Path) -> dict[str, Any]:
     """CPU and wall microseconds per group of the pieces a group passes through, each alone (the
     engine as the pipeline calls it: `generate_many` on waves of B groups)."""
-    from pipeline.config import SimulatedEngineConfig
+    from pipeline.config.schema import SimulatedEngineConfig
     from pipeline.engines.simulated import SimulatedEngine
-    from pipeline.rewards import RewardScorer
-    from pipeline.rollout_log import RolloutLog
+    from pipeline.data.rewards import RewardScorer
+    from pipeline.store.rollout_log import RolloutLog
     from pipeline.types import AdapterRef, GroupOutcome, GroupRequest, Prompt
 
     engine = SimulatedEngine(SimulatedEngineConfig(latency_s=0.0, completion_tokens=tokens), name="components")
@@ -179,8 +179,8 @@ def step_components(versions: int, tmp: Path) -> dict[str, Any]:
     """CPU and wall microseconds per training step of the adapter store's work, each alone: publish
     (the simulated trainer's minimal version: write, hash, manifest, fsyncs, rename), verify_dir
     (what the adapter loop checks before engines load) and prune (retention)."""
-    from pipeline.adapter_store import AdapterStore
-    from pipeline.trainer import SimulatedTrainer
+    from pipeline.store.weights import AdapterStore
+    from pipeline.trainer.policy import SimulatedTrainer
 
     store = AdapterStore(tmp / "step-components", keep_last=2)
     trainer = SimulatedTrainer()
@@ -334,7 +334,7 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from pipeline.log import configure_logging
+    from pipeline.observe.log import configure_logging
 
     configure_logging(None, "warning", console=True)
     load = common.MachineLoad()

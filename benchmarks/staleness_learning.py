@@ -55,8 +55,8 @@ def one_run(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from pipeline.config_io import load_config
-    from pipeline.orchestrator import Pipeline
+    from pipeline.config.io import load_config
+    from pipeline.loop.orchestrator import Pipeline
 
     with tempfile.TemporaryDirectory(prefix="staleness_learning-") as out:
         t0 = time.monotonic()
@@ -240,8 +240,8 @@ def main() -> None:
         import asyncio
 
         print(f"{len(todo)} runs on one vLLM engine")
-        from pipeline.config_io import load_config
-        from pipeline.models import build_model
+        from pipeline.config.io import load_config
+        from pipeline.models.builtin import build_model
 
         cfg = load_config(None, todo[0]["overrides"])
         model_path = str(build_model(cfg.model.shape, cfg.model.cache_dir, seed=0))
@@ -253,7 +253,7 @@ def main() -> None:
         runs = asyncio.run(common.runs_on_one_vllm_engine(todo, model_path, max(args.ks), collect, report,
                                                           "staleness_learning"))
     else:
-        from pipeline.models import build_model
+        from pipeline.models.builtin import build_model
 
         build_model(args.model_shape, ".cache/models", seed=0)  # once, before the workers look for it
         print(f"{len(todo)} runs on {args.workers} workers")

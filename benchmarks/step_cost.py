@@ -50,8 +50,8 @@ PARTS = {  # name -> metrics key (seconds)
 
 
 def one_run(k: int, args: argparse.Namespace) -> dict:
-    from pipeline.config_io import load_config
-    from pipeline.orchestrator import Pipeline
+    from pipeline.config.io import load_config
+    from pipeline.loop.orchestrator import Pipeline
 
     with tempfile.TemporaryDirectory(prefix="step_cost-") as out:
         cfg = load_config(None, {

@@ -53,7 +53,7 @@ How the figures are measured:
   version (copied: the store hashes and fsyncs real bytes, the engine loads real weights from
   disk). The engine then sees what it sees with the trainer on another GPU, on one GPU. The
   reward is not reported (nothing learns); the file name ends in _simtrainer before the hardware.
-- --engine vllm_server: one `vllm serve` on --engine-device (pipeline/engines/vllm_serve.py),
+- --engine vllm_server: one `vllm serve` on --engine-device (pipeline/engines/vllm_launch.py),
   started once with the in-process engine's settings and adapter slots, and one HTTP engine on it
   (engine.kind = "vllm_server") shared by every run. The engine alone is timed by the same client
   code as the in-process engine's (groups submitted at once through generate). "load ms" is the
@@ -99,9 +99,9 @@ from staleness import analysis  # noqa: E402  (this sweep's parts, in benchmarks
 from staleness.workloads import (  # noqa: E402
     SimWorkload, TransformersWorkload, VLLMServerWorkload, VLLMWorkload, Workload, free_memory, vllm_missing)
 
-from pipeline.config_io import load_config, parse_override  # noqa: E402
+from pipeline.config.io import load_config, parse_override  # noqa: E402
 from pipeline.errors import ConfigError  # noqa: E402
-from pipeline.orchestrator import Pipeline  # noqa: E402
+from pipeline.loop.orchestrator import Pipeline  # noqa: E402
 
 BENCHMARK = "throughput_vs_staleness"
 VLLM_ENGINES = ("vllm", "vllm_server")  # engines that need vLLM and a GPU
@@ -438,7 +438,7 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    from pipeline.log import configure_logging
+    from pipeline.observe.log import configure_logging
 
     configure_logging(None, "warning", console=True)  # the standalone measurements log like a run: quietly
     if args.engine in VLLM_ENGINES and (why := vllm_missing(args.engine_device, args.trainer_device)):

@@ -5,7 +5,7 @@
     python benchmarks/time_to_accuracy.py --engine vllm --ks 0 1 2 --arms tis --seeds 2   # one GPU
     python benchmarks/time_to_accuracy.py --plot-only benchmarks/results/time_to_accuracy_<...>.json
 
-Every run is a real Pipeline on the warm-started built-in model (pipeline.warm_start: the
+Every run is a real Pipeline on the warm-started built-in model (pipeline.models.warm_start: the
 shape fine-tuned on 2-digit addition until ~30% of held-out problems come out exactly right,
 built once and shared by every run) learning the built-in `addition` task with LoRA: exact-match
 reward, B groups of n completions a step. Eval rounds (`eval.every`) sample each of the task's
@@ -138,8 +138,8 @@ def collect(job: dict[str, Any], p: Any, summary: dict[str, Any], seconds: float
 
 def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """One run with engines and trainer of its own (the transformers engine)."""
-    from pipeline.config_io import load_config
-    from pipeline.orchestrator import Pipeline
+    from pipeline.config.io import load_config
+    from pipeline.loop.orchestrator import Pipeline
 
     with tempfile.TemporaryDirectory(prefix=f"{BENCHMARK}-") as out:
         t0 = time.monotonic()
@@ -295,10 +295,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         common.write_json(path, result)
         plot(result, path.with_suffix(".png"))
         return result
-    from pipeline.config import TaskConfig
-    from pipeline.log import configure_logging
-    from pipeline.tasks import build_task
-    from pipeline.warm_start import warm_start
+    from pipeline.config.schema import TaskConfig
+    from pipeline.observe.log import configure_logging
+    from pipeline.data.tasks import build_task
+    from pipeline.models.warm_start import warm_start
 
     configure_logging(None, "warning", console=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

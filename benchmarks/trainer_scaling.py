@@ -79,7 +79,7 @@ def time_trainer(trainer, args: argparse.Namespace, vocab: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", default="cuda:0", help="comma-separated; ranks take the first 1, 2, ... of them")
-    ap.add_argument("--shape", default="qwen2.5-0.5b", help="a built-in model shape (pipeline.models.SHAPES)")
+    ap.add_argument("--shape", default="qwen2.5-0.5b", help="a built-in model shape (pipeline.models.builtin.SHAPES)")
     ap.add_argument("--model", default="", help="a model directory instead of a built-in shape")
     ap.add_argument("--updates", nargs="+", default=["lora", "full"], choices=["lora", "full"])
     ap.add_argument("--groups", type=int, default=32)
@@ -96,11 +96,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     devices = parse_list(args.devices, str)
 
-    from pipeline import models
-    from pipeline.build import model_config_value
-    from pipeline.config import LossConfig, TrainerConfig
-    from pipeline.trainer_process import ProcessTrainer
-    from pipeline.trainer_ranks import RankedTrainer
+    from pipeline.models import builtin as models
+    from pipeline.loop.build import model_config_value
+    from pipeline.config.schema import LossConfig, TrainerConfig
+    from pipeline.trainer.process import ProcessTrainer
+    from pipeline.trainer.ranks import RankedTrainer
 
     model = args.model or str(models.build_model(args.shape, args.cache))
     vocab = int(model_config_value(model, "vocab_size") or 256) - 1

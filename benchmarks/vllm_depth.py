@@ -28,8 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import common  # noqa: E402
-from pipeline import models  # noqa: E402
-from pipeline.config import SamplingConfig, VLLMEngineConfig  # noqa: E402
+from pipeline.models import builtin as models  # noqa: E402
+from pipeline.config.schema import SamplingConfig, VLLMEngineConfig  # noqa: E402
 from pipeline.engines.vllm import VLLMEngine  # noqa: E402
 from pipeline.types import AdapterRef  # noqa: E402
 

@@ -13,7 +13,7 @@ trains every weight on both sides (TRL without a peft config, our trainer.update
 
 Needs the `bench` extra (pip install -e '.[bench]': trl, datasets).
 
-Both sides train the same built-in model (pipeline.models.build_model) on the char_class task
+Both sides train the same built-in model (pipeline.models.builtin.build_model) on the char_class task
 with the same reward function, LoRA (rank, alpha, target modules, no dropout), learning rate
 (constant), AdamW betas, gradient clipping, group size, completion length and number of steps
 and samples; sampling at temperature 1, top_p 1, top_k off; no KL term. TRL generates with
@@ -31,7 +31,7 @@ With --seeds N each figure is given as mean and standard deviation over the seed
 Writes <out>/vs_trl_<model>_<hardware>.json and .png (reward against samples; samples/s).
 
 `--task addition` races to an accuracy instead: both sides train the warm-started built-in
-model (pipeline.warm_start) on the built-in addition task with the exact-match reward, the
+model (pipeline.models.warm_start) on the built-in addition task with the exact-match reward, the
 same B x n, learning rate and LoRA, and evaluate every --eval-every steps on the task's
 held-out problems (--eval-n samples each at temperature 1, pass@1). Ours is
 benchmarks/time_to_accuracy.py's run at each --staleness K (correction tis); TRL evaluates in
@@ -66,8 +66,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
-from pipeline.config import LossConfig, TrainerConfig  # noqa: E402
-from pipeline.config_io import load_config  # noqa: E402
+from pipeline.config.schema import LossConfig, TrainerConfig  # noqa: E402
+from pipeline.config.io import load_config  # noqa: E402
 
 BENCHMARK = "vs_trl"
 REWARD_WINDOW = 5  # reward at equal samples: the mean over the last 1/REWARD_WINDOW of the steps
@@ -138,7 +138,7 @@ def tail_mean(values: Sequence[float]) -> float:
 
 
 def run_pipeline(args: argparse.Namespace, model_path: Path, seed: int, K: int, run_dir: Path) -> dict[str, Any]:
-    from pipeline.orchestrator import Pipeline
+    from pipeline.loop.orchestrator import Pipeline
 
     cfg = load_config(None, {
         "out": str(run_dir), "seed": seed, "model.path": str(model_path),
@@ -227,8 +227,8 @@ def run_trl(args: argparse.Namespace, model_path: Path, seed: int, out_dir: Path
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
-    from pipeline.config import TaskConfig
-    from pipeline.tasks import build_task
+    from pipeline.config.schema import TaskConfig
+    from pipeline.data.tasks import build_task
 
     task = build_task(TaskConfig(name="char_class", num_prompts=args.num_prompts), args.max_new_tokens)
     data = Dataset.from_list([{"prompt": p["prompt"], "target_class": p["target_class"]} for p in task.prompts])
@@ -371,8 +371,8 @@ def run_trl_addition(ours: argparse.Namespace, args: argparse.Namespace, model_p
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOTrainer
 
-    from pipeline.tasks import exact_match
-    from pipeline.warm_start import sampled_accuracy
+    from pipeline.data.tasks import exact_match
+    from pipeline.models.warm_start import sampled_accuracy
 
     data = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     held = [(r["prompt"], r["answer"]) for r in held_out] * ours.eval_n
@@ -486,10 +486,10 @@ def race_analysis(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], ta
 def addition_race(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, Any]:
     import time_to_accuracy as tta
 
-    from pipeline.config import TaskConfig
-    from pipeline.log import configure_logging
-    from pipeline.tasks import build_task
-    from pipeline.warm_start import warm_start
+    from pipeline.config.schema import TaskConfig
+    from pipeline.observe.log import configure_logging
+    from pipeline.data.tasks import build_task
+    from pipeline.models.warm_start import warm_start
 
     ours = addition_args(args)
     configure_logging(None, "warning", console=True)
@@ -560,8 +560,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return addition_race(args, argv)
     if not args.skip_trl and (importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None):
         raise SystemExit("error: this benchmark needs TRL: pip install -e '.[bench]' (or pass --skip-trl)")
-    from pipeline.log import configure_logging
-    from pipeline.models import build_model
+    from pipeline.observe.log import configure_logging
+    from pipeline.models.builtin import build_model
 
     configure_logging(None, "warning", console=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no fork warnings from the tokenizers library

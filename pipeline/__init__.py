@@ -2,7 +2,7 @@
 
     from pipeline import Pipeline, load_config
 
-Names are imported on first use, so `import pipeline.config` (the CLI's fast path for config
+Names are imported on first use, so `import pipeline.config.schema` (the CLI's fast path for config
 errors) does not load torch.
 """
 
@@ -12,8 +12,8 @@ from typing import Any
 
 __all__ = ["Pipeline", "StepResult", "RunConfig", "load_config", "read_rollouts"]
 
-_WHERE = {"Pipeline": "pipeline.orchestrator", "StepResult": "pipeline.orchestrator",
-          "RunConfig": "pipeline.config", "load_config": "pipeline.config_io", "read_rollouts": "pipeline.rollout_log"}
+_WHERE = {"Pipeline": "pipeline.loop.orchestrator", "StepResult": "pipeline.loop.orchestrator",
+          "RunConfig": "pipeline.config.schema", "load_config": "pipeline.config.io", "read_rollouts": "pipeline.store.rollout_log"}
 
 
 def __getattr__(name: str) -> Any:

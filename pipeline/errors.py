@@ -14,7 +14,7 @@
         ├── RewardError          a reward function raised or returned a bad value
         ├── PromptError          a malformed prompt (empty, too long, ...) refused on its own, with a reason
         └── EnvError             an environment's reset or step raised, timed out or answered nonsense: its
-                                 group fails (pipeline.environments; EnvTimeoutError for the timeout)
+                                 group fails (pipeline.envs; EnvTimeoutError for the timeout)
 
 Recoverable errors are caught by the orchestrator where fault tolerance is deliberate; every
 other exception ends the run with that error.
@@ -78,7 +78,7 @@ class RewardError(RecoverableError):
 class PromptError(RecoverableError):
     """A prompt was refused (malformed, empty, longer than the model's context, no chat template).
 
-    `reason` is a short code counted per run (see pipeline.prompts.REASONS)."""
+    `reason` is a short code counted per run (see pipeline.data.prompts.REASONS)."""
 
     def __init__(self, message: str, reason: str = "malformed") -> None:
         super().__init__(message)

@@ -1,7 +1,7 @@
 """The roles the orchestrator wires together: an Engine samples groups, a Trainer learns from them.
 
 Each role is a Protocol: anything with these members fills it (the built-in engines in
-`pipeline/engines/`, the trainers in `pipeline/trainer.py` and `pipeline/trainer_process.py`, or
+`pipeline/engines/`, the trainers in `pipeline/trainer/policy.py` and `pipeline/trainer/process.py`, or
 a caller's own). A capability only some engines have is a Protocol of its own (`BatchEngine`),
 checked with `isinstance`, never probed attribute by attribute.
 
@@ -60,7 +60,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from pipeline.metrics import BusyMeter
+from pipeline.observe.metrics import BusyMeter
 from pipeline.types import AdapterRef, Batch, Generation, GroupRequest, RolloutGroup, TrainStats
 
 

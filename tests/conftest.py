@@ -2,6 +2,10 @@
 
 Plain helpers are imported by name (`from conftest import sim_config`): pytest puts tests/ on
 sys.path (it has no __init__.py), so this module is `conftest` to pytest and to the tests alike.
+The tests live in folders named after the package's (tests/loop/ for pipeline/loop/), and a
+module imports another's helpers by its name wherever it lives (`from test_trainer import
+_group`): this module puts each folder on sys.path, so a module's name is its name everywhere
+(names are unique across folders; tests/base/test_layout.py checks).
 Fixtures here are found by pytest; a test module's own fixture of the same name takes precedence.
 
 - Scripts: REPO, load_script (run.py or a benchmark, by path), run_py / start_run_py (`python
@@ -28,17 +32,19 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pipeline.adapter_store import AdapterStore
-from pipeline.checkpoint import CheckpointStore
-from pipeline.config import RunConfig
-from pipeline.config_io import load_config
-from pipeline.metrics import read_jsonl
-from pipeline.rollout_log import Rollouts, read_rollouts
+from pipeline.store.weights import AdapterStore
+from pipeline.store.checkpoint import CheckpointStore
+from pipeline.config.schema import RunConfig
+from pipeline.config.io import load_config
+from pipeline.observe.metrics import read_jsonl
+from pipeline.store.rollout_log import Rollouts, read_rollouts
 
 if TYPE_CHECKING:
-    from pipeline.orchestrator import Pipeline
+    from pipeline.loop.orchestrator import Pipeline
 
 REPO = Path(__file__).resolve().parents[1]
+TEST_FOLDERS = sorted(d for d in Path(__file__).resolve().parent.iterdir() if d.is_dir() and any(d.glob("test_*.py")))
+sys.path[1:1] = [str(d) for d in TEST_FOLDERS if str(d) not in sys.path]
 CRASH_ENV = "PIPELINE_CRASH_AT"  # pipeline.faults: kill the process at a named point
 
 
@@ -86,8 +92,7 @@ def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, limit_s: float
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The built-in tiny model (random weights, byte-level tokenizer), built once per test module."""
-    from pipeline import models
-
+    from pipeline.models import builtin as models
     return models.build_model("tiny", tmp_path_factory.mktemp("models"))
 
 

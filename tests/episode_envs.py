@@ -7,7 +7,7 @@ import random
 import time
 from typing import Any, Mapping
 
-from pipeline.environments import EnvStep
+from pipeline.envs import EnvStep
 
 
 class Echo:

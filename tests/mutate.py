@@ -31,13 +31,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 # module -> the test files that own it (the audit's scope: where a silent break corrupts learning)
 TARGETS = {
-    "loss": ["tests/test_loss.py", "tests/test_trainer_learning.py"],
-    "buffer": ["tests/test_buffer.py"],
-    "scoring": ["tests/test_scoring.py", "tests/test_rewards.py", "tests/test_episodes.py"],
-    "training": ["tests/test_training.py", "tests/test_orchestrator.py"],
-    "trainer": ["tests/test_trainer.py", "tests/test_trainer_learning.py"],
-    "episodes": ["tests/test_episodes.py"],
-    "ledger": ["tests/test_ledger.py"],
+    "loss": ["tests/trainer/test_loss.py", "tests/trainer/test_trainer_learning.py"],
+    "buffer": ["tests/loop/test_buffer.py"],
+    "scoring": ["tests/loop/test_scoring.py", "tests/data/test_rewards.py", "tests/loop/test_episodes.py"],
+    "training": ["tests/loop/test_training.py", "tests/loop/test_orchestrator.py"],
+    "trainer": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_learning.py"],
+    "episodes": ["tests/loop/test_episodes.py"],
+    "ledger": ["tests/store/test_ledger.py"],
 }
 
 _SWAPS: dict[type, type] = {

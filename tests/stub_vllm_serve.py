@@ -20,7 +20,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from vllm_server_stub import VLLMServerStub  # noqa: E402
 
-from pipeline.config import SamplingConfig, TransformersEngineConfig  # noqa: E402
+from pipeline.config.schema import SamplingConfig, TransformersEngineConfig  # noqa: E402
 from pipeline.engines.transformers import TransformersEngine  # noqa: E402
 
 

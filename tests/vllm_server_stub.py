@@ -56,7 +56,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from aiohttp import web
 
-from pipeline.config import SamplingConfig
+from pipeline.config.schema import SamplingConfig
 from pipeline.engines.base import Engine
 from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt
 

@@ -23,9 +23,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
-from pipeline import models  # noqa: E402
-from pipeline.config import LossConfig, TrainerConfig  # noqa: E402
-from pipeline.trainer import LoRATrainer  # noqa: E402
+from pipeline.models import builtin as models  # noqa: E402
+from pipeline.config.schema import LossConfig, TrainerConfig  # noqa: E402
+from pipeline.trainer.policy import LoRATrainer  # noqa: E402
 from pipeline.types import Batch, Completion, Generation, GroupRequest, Prompt, RolloutGroup  # noqa: E402
 
 

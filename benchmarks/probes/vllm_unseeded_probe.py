@@ -1,8 +1,8 @@
 """Do two unseeded vLLM requests for the same prompt sample different tokens? (engine seeded once)"""
 import asyncio
 import numpy as np
-from pipeline import models
-from pipeline.config import SamplingConfig, VLLMEngineConfig
+from pipeline.models import builtin as models
+from pipeline.config.schema import SamplingConfig, VLLMEngineConfig
 from pipeline.engines.vllm import VLLMEngine
 from pipeline.types import AdapterRef, GroupRequest, Prompt
 

@@ -24,9 +24,9 @@ import numpy as np
 
 import common  # benchmarks/common.py: benchmarks/ is on sys.path, as the sweep script puts it
 
-from pipeline.metrics import BusyMeter, read_jsonl
-from pipeline.orchestrator import Pipeline
-from pipeline.rollout_log import read_rollouts
+from pipeline.observe.metrics import BusyMeter, read_jsonl
+from pipeline.loop.orchestrator import Pipeline
+from pipeline.store.rollout_log import read_rollouts
 
 REWARD_WINDOW = 5  # the reward is averaged over the last 1/REWARD_WINDOW of the steps
 

@@ -30,10 +30,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from pipeline.adapter_store import MANIFEST, AdapterStore
-from pipeline.config import RunConfig
-from pipeline.config_io import load_config
-from pipeline.trainer import SimulatedTrainer
+from pipeline.store.weights import MANIFEST, AdapterStore
+from pipeline.config.schema import RunConfig
+from pipeline.config.io import load_config
+from pipeline.trainer.policy import SimulatedTrainer
 from pipeline.types import AdapterRef, Batch, Generation, GroupRequest, Prompt, RolloutGroup
 
 STANDALONE_IDS = 10**9  # group ids of standalone requests, far from any run's
@@ -311,7 +311,7 @@ class ModelWorkload(Workload):
         return self.args.trainer == "peft"
 
     async def prepare(self, scratch: Path) -> None:
-        from pipeline.models import build_model, load_tokenizer
+        from pipeline.models.builtin import build_model, load_tokenizer
 
         self.model_path = await asyncio.to_thread(build_model, self.args.model_shape, self.args.model_cache, 0)
         self.tokenizer = load_tokenizer(self.model_path)
@@ -352,7 +352,7 @@ class ModelWorkload(Workload):
         return what
 
     def task_prompts(self, count: int) -> list[Prompt]:
-        from pipeline.tasks import build_task
+        from pipeline.data.tasks import build_task
 
         cfg = self.config(0, Path("unused"))
         task = build_task(cfg.task, cfg.sampling.max_new_tokens)
@@ -380,7 +380,7 @@ class ModelWorkload(Workload):
             self.store_root, self.template, self.replay_step_s = src.store_root, src.template, src.replay_step_s
             self.trainer_timing, self.trainer_timed_in = src.trainer_timing, src.trainer_timed_in
             return dict(src.trainer_timing)
-        from pipeline.trainer import LoRATrainer
+        from pipeline.trainer.policy import LoRATrainer
 
         cfg = self.config(0, scratch / "cfg")
         # the real trainer is timed with either --trainer: --trainer sim replays its step time and adapter
@@ -576,7 +576,7 @@ class VLLMServerWorkload(VLLMWorkload):
 
     def __init__(self, args: argparse.Namespace, trainer_from: ModelWorkload | None = None) -> None:
         super().__init__(args, trainer_from)
-        self.server: Any = None  # pipeline.engines.vllm_serve.VLLMServeProcess, once prepared
+        self.server: Any = None  # pipeline.engines.vllm_launch.VLLMServeProcess, once prepared
         self.url = ""  # the server's, chosen by prepare()
 
     def engine_overrides(self) -> dict[str, Any]:
@@ -591,7 +591,7 @@ class VLLMServerWorkload(VLLMWorkload):
         return super().describe() + ", over HTTP to `vllm serve`"
 
     async def start_engine(self, scratch: Path) -> None:
-        from pipeline.engines.vllm_serve import VLLMServeProcess, free_port
+        from pipeline.engines.vllm_launch import VLLMServeProcess, free_port
         from pipeline.engines.vllm_server import VLLMServerEngine
 
         a = self.args

@@ -13,7 +13,7 @@ import re
 import zlib
 from typing import Any, Mapping
 
-from pipeline.environments import EnvStep
+from pipeline.envs import EnvStep
 
 LOW, HIGH = 1, 20  # the secret is drawn from [LOW, HIGH]
 MAX_GUESSES = 4  # the game ends after this many guesses (env.max_turns may end it sooner)

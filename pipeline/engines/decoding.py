@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from pipeline.config import SamplingConfig
+from pipeline.config.schema import SamplingConfig
 from pipeline.types import Completion, GroupRequest
 
 

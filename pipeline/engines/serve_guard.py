@@ -1,6 +1,6 @@
 """The parent of a launched `vllm serve`: ends the server's whole process group when its owner dies.
 
-Run as `python serve_guard.py OWNER_PID -- COMMAND...` (by pipeline.engines.vllm_serve, as the
+Run as `python serve_guard.py OWNER_PID -- COMMAND...` (by pipeline.engines.vllm_launch, as the
 leader of a new process group, with the kernel told to send it SIGUSR1 when the thread that
 started it ends: PR_SET_PDEATHSIG). It starts COMMAND in its group and waits for it.
 

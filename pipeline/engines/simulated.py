@@ -34,10 +34,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from pipeline.config import SimulatedEngineConfig
+from pipeline.config.schema import SimulatedEngineConfig
 from pipeline.engines.base import same_version
 from pipeline.errors import EngineDeadError, GenerationError
-from pipeline.metrics import BusyMeter
+from pipeline.observe.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
 
 

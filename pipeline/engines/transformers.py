@@ -57,8 +57,8 @@ import structlog
 import torch
 from peft import PeftModel
 
-from pipeline import models
-from pipeline.config import SamplingConfig, TransformersEngineConfig
+from pipeline.models import builtin as models
+from pipeline.config.schema import SamplingConfig, TransformersEngineConfig
 from pipeline.devices import sched_idle
 from pipeline.engines.base import check_adapter_dir, check_group_request, check_model_dir, held_versions, same_version
 from pipeline.engines.decoding import GroupDecoder, process_logits
@@ -72,7 +72,7 @@ from pipeline.errors import (
     EngineDeadError,
     GenerationError,
 )
-from pipeline.metrics import BusyMeter
+from pipeline.observe.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
 
 __all__ = ["EngineStats", "TransformersEngine", "process_logits"]  # process_logits: where callers found it
@@ -433,7 +433,7 @@ class TransformersEngine:
         shape and value: a file that does not fit is refused with nothing copied, the slot kept free."""
         from safetensors.torch import load
 
-        from pipeline.durable import read_file
+        from pipeline.store.durable import read_file
 
         path = Path(adapter.path) / "adapter_model.safetensors"
         try:  # one read and a parse from memory: a third of load_file's time (its mmap slices every tensor)

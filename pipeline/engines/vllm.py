@@ -45,7 +45,7 @@ own copy of the environment, so nothing reads the narrowed value again. This pro
 (it queries GPUs through NVML), and `start()` warns if that ever changes.
 Two engines on one GPU work when started one after the other, each with its own
 `gpu_memory_utilization` (<= 0.45 each). Both, and an engine placed on the second GPU of two,
-are checked on H200s by tests/test_vllm_gpu.py.
+are checked on H200s by tests/engines/test_vllm_gpu.py.
 
 Start-up runs the AsyncLLM constructor in a worker thread: it waits for the engine core
 synchronously (20-45 s for the built-in "small" model in eager mode on an H200, more with
@@ -77,7 +77,7 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from pipeline.config import SamplingConfig, VLLMEngineConfig
+from pipeline.config.schema import SamplingConfig, VLLMEngineConfig
 from pipeline.devices import ENV_LOCK, visible_devices
 from pipeline.engines.base import (
     check_adapter_dir,
@@ -95,7 +95,7 @@ from pipeline.errors import (
     GenerationError,
     PipelineError,
 )
-from pipeline.metrics import BusyMeter
+from pipeline.observe.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest, Prompt
 
 log = structlog.get_logger(__name__)

@@ -45,12 +45,12 @@ from typing import Any
 import numpy as np
 import structlog
 
-from pipeline.config import ConfigError, SamplingConfig, VLLMServerEngineConfig
+from pipeline.config.schema import ConfigError, SamplingConfig, VLLMServerEngineConfig
 from pipeline.engines.base import check_adapter_dir, check_group_request
 from pipeline.engines.residency import Residency, Resident
 from pipeline.engines.vllm import _FAILED_REASONS, _FINISH_REASONS
 from pipeline.errors import AdapterError, AdapterNotFoundError, EngineDeadError, GenerationError
-from pipeline.metrics import BusyMeter
+from pipeline.observe.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest
 
 log = structlog.get_logger(__name__)
@@ -92,7 +92,7 @@ class VLLMServerEngine:
     def __init__(self, url: str, *, sampling: SamplingConfig, cfg: VLLMServerEngineConfig,
                  max_staleness: int = 1, name: str = "vllm-server-0", server: Any = None,
                  server_timeout_s: float = 600.0, server_gate: asyncio.Lock | None = None) -> None:
-        """server: a pipeline.engines.vllm_serve.VLLMServeProcess serving `url`, started and stopped
+        """server: a pipeline.engines.vllm_launch.VLLMServeProcess serving `url`, started and stopped
         with this engine (within `server_timeout_s` to answer /health); None: the server is yours.
         server_gate: held while the server starts (one start at a time per GPU)."""
         if max_staleness < 0:

@@ -1,0 +1,343 @@
+"""Building a run's parts from its config: the model, the tokenizer, the engines, the trainer and the
+prompt sets, each by kind.
+
+Invariants:
+- Bad input found here is a ConfigError naming the key (a CUDA device this machine lacks, a
+  model.path that gives no tokenizer, no eval prompts while eval.every is set).
+- Nothing here starts anything but `start`: engines and the trainer are built, not started;
+  `start` and `close` bound every wait by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import structlog
+
+from pipeline.config.schema import RunConfig
+from pipeline.devices import trainer_threads
+from pipeline.engines.base import Engine
+from pipeline.errors import ConfigError, EngineDeadError
+from pipeline.data.tasks import PromptSource, build_task
+
+log = structlog.get_logger(__name__)
+
+
+def check_devices(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool) -> None:
+    """Each CUDA device the pipeline builds an engine or the trainer on exists (ConfigError naming its key)."""
+    from pipeline.devices import check_cuda_devices
+
+    named: list[tuple[str, str]] = []
+    if builds_engines and cfg.engine.kind in ("transformers", "vllm"):
+        named += [(f"engine.devices[{i}]", d) for i, d in enumerate(cfg.engine.devices)]
+    if builds_trainer and cfg.trainer.kind == "peft":
+        named += [(f"trainer.devices[{i}]" if cfg.trainer.devices else "trainer.device", d)
+                  for i, d in enumerate(cfg.trainer.rank_devices)]
+    check_cuda_devices(named)
+
+
+def rewards(cfg: RunConfig, reward: Any, weights: Sequence[float] | None, own_prompts: bool,
+            env: bool = False) -> tuple[Any, Sequence[float] | None]:
+    """(reward, weights): the caller's, reward.functions imported (a bad entry fails before anything
+    is written), or None for the built-in task's. Own prompts without a reward are refused, unless
+    an environment rewards them (env.reward = "env")."""
+    if reward is None and cfg.reward.functions:
+        from pipeline.data.rewards import load_reward_function
+
+        reward = [load_reward_function(e, f"reward.functions[{i}]") for i, e in enumerate(cfg.reward.functions)]
+        weights = weights or cfg.reward.weights or None
+    if reward is None and (own_prompts or cfg.data.train) and not (env and cfg.env.reward == "env"):
+        raise ValueError("your own prompts need a reward: pass reward=..., or set reward.functions in the config")
+    return reward, weights
+
+
+def environment(cfg: RunConfig, own_prompts: bool) -> Any:
+    """The factory of one environment per episode: env.factory imported (a bad entry is a ConfigError
+    naming it), or the built-in task's own (task.name = "calculator"); None for single-turn runs."""
+    if cfg.env.factory:
+        from pipeline.envs.protocol import load_environment_factory
+
+        return load_environment_factory(cfg.env.factory, "env.factory")
+    if own_prompts or cfg.data.train:
+        return None
+    return build_task(cfg.task, cfg.sampling.max_new_tokens).environment
+
+
+def prompt_sets(cfg: RunConfig, prompts: Sequence[Any] | None, eval_prompts: Sequence[Any] | None,
+                reward: Any, env: bool = False) -> tuple[list[Any], list[Any], Any]:
+    """(training items, eval items, reward) from the caller, the data files or the built-in task.
+    Data files' rows must hold their prompts, unless an environment (`env`) writes them."""
+    from pipeline.data.files import load_rows
+
+    field = None if env else cfg.data.prompt_field
+
+    task = None
+    if (prompts is None and not cfg.data.train) or reward is None:  # the built-in task gives prompts or reward
+        task = build_task(cfg.task, cfg.sampling.max_new_tokens)
+    if prompts is not None:
+        items = list(prompts)
+    else:
+        items = load_rows(cfg.data.train, "data.train", field) if cfg.data.train else task.prompts
+    eval_items: list[Any] = []
+    if eval_prompts is not None:
+        eval_items = list(eval_prompts)
+    elif cfg.data.eval:
+        eval_items = load_rows(cfg.data.eval, "data.eval", field)
+    elif cfg.eval.every and task is not None and prompts is None and not cfg.data.train:
+        # the built-in task's held-out split, or prompts it draws with another seed
+        eval_items = task.eval_prompts if task.eval_prompts is not None else \
+            build_task(replace(cfg.task, seed=cfg.task.seed + 1), cfg.sampling.max_new_tokens).prompts
+    if cfg.eval.every and not eval_items:
+        raise ConfigError("eval.every is set but there are no eval prompts: set data.eval to a file "
+                          "(or pass eval_prompts= to Pipeline)")
+    return items, eval_items, reward or task.reward
+
+
+def prompt_source(cfg: RunConfig, items: list[Any], *, own: bool, epochs: int | None) -> PromptSource:
+    """The training prompts in epochs: data.train's in data.seed's order (data.shuffle), others by seed."""
+    data = own and bool(cfg.data.train)
+    return PromptSource(items, seed=cfg.data.seed if data else cfg.seed, epochs=epochs,
+                        shuffle=cfg.data.shuffle if data else True)
+
+
+def model_and_tokenizer(cfg: RunConfig, tokenizer: Any, *, engines: bool, trainer: bool) -> tuple[str | None, Any]:
+    """(model directory, tokenizer): the model when the pipeline builds engines or the trainer on it
+    or needs its tokenizer (`tokenizer` None); a caller's tokenizer, or False for none, is kept."""
+    weights = (engines and cfg.engine.kind != "simulated") or (trainer and cfg.trainer.kind == "peft")
+    path = model_dir(cfg, weights=weights) if weights or tokenizer is None else None
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg, path)
+    return path, tokenizer or None
+
+
+def init_cuda(cfg: RunConfig) -> None:
+    """Initialise CUDA here, seeing every GPU, before a vLLM engine narrows CUDA_VISIBLE_DEVICES to
+    its own GPU while it starts (the trainer loads in a thread meanwhile)."""
+    in_process = cfg.engine.devices if cfg.engine.kind in ("transformers", "vllm") else ()  # not servers' GPUs
+    if any(d.startswith("cuda") for d in (*in_process, *cfg.trainer.rank_devices)):
+        import torch
+
+        torch.cuda.init()
+
+
+def model_dir(cfg: RunConfig, weights: bool = True) -> str:
+    """model.path (checked), or the built-in model, built once into model.cache_dir. Without
+    `weights` (only the tokenizer and the context are read: simulated engines and trainer), a warm
+    start's own random base, which has the same tokenizer and config, and is not fine-tuned for it."""
+    if cfg.model.path:
+        from pipeline.models.builtin import check_model_dir
+
+        check_model_dir(cfg.model.path)
+        return cfg.model.path
+    if cfg.model.warm_start and weights:
+        from pipeline.models.warm_start import warm_start
+
+        return str(warm_start(cfg.model.shape, build_task(cfg.task, cfg.sampling.max_new_tokens), cfg.model.cache_dir,
+                              seed=cfg.seed, target=cfg.model.warm_start_accuracy, progress=cfg.log.progress))
+    from pipeline.models.builtin import build_model
+
+    return str(build_model(cfg.model.shape, cfg.model.cache_dir, seed=cfg.seed))
+
+
+def load_tokenizer(cfg: RunConfig, model_path: str | None) -> Any:
+    """The model's tokenizer; one that model.path cannot give is bad input (ConfigError)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a folder it cannot read
+        if not cfg.model.path:
+            raise  # the built-in model's: our bug, not the input's
+        raise ConfigError(f"model.path: no tokenizer could be loaded from {model_path!r}: "
+                          f"{type(e).__name__}: {e}") from e
+
+
+def model_config_value(model_path: str | None, key: str) -> Any:
+    """`key` of the model's config.json; None without a model, a readable config.json or the key."""
+    if model_path is None:
+        return None
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return conf.get(key) if isinstance(conf, dict) else None
+
+
+def max_context(model_path: str | None) -> int | None:
+    """The longest prompt + completion the model takes (its max_position_embeddings), if it says
+    (a model without a readable config.json gets no length check); each engine reports its own
+    limit besides (`Engine.max_context`)."""
+    return model_config_value(model_path, "max_position_embeddings")
+
+
+def prompt_builder(cfg: RunConfig, tokenizer: Any, model_path: str | None, engines: Sequence[Engine]) -> Any:
+    """Rows to Prompts, under the smallest context of the model and the started engines (a vLLM
+    server reports its --max-model-len)."""
+    from pipeline.data.prompts import PromptBuilder, read_chat_template
+
+    contexts = [n for n in (max_context(model_path), *(e.max_context for e in engines)) if n is not None]
+    dc = cfg.data
+    return PromptBuilder(tokenizer, max_new_tokens=cfg.sampling.max_new_tokens,
+                         max_context=min(contexts) if contexts else None, prompt_field=dc.prompt_field,
+                         apply_chat_template=dc.apply_chat_template, system_prompt=dc.system_prompt,
+                         chat_template=read_chat_template(dc.chat_template) if dc.chat_template else None)
+
+
+def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
+                  run_dir: str | Path | None = None) -> list[Engine]:
+    """One engine per engine.devices entry (per vllm_server.urls entry for servers someone else
+    started), of engine.kind. Launched servers write their logs under run_dir/servers/."""
+    K = cfg.pipeline.max_staleness
+    full = cfg.trainer.update == "full"
+    offset = 1009 * start_step  # a resumed run samples afresh, not the first session's draws
+    if cfg.engine.kind == "vllm_server" and cfg.engine.vllm_server.launch:
+        return launched_servers(cfg, model_path, Path(run_dir or ".") / "servers", seed=cfg.engine.vllm.seed + offset)
+    if cfg.engine.kind == "vllm_server":  # servers someone else started: one engine per URL
+        from pipeline.engines.vllm_server import VLLMServerEngine
+
+        return [VLLMServerEngine(url, sampling=cfg.sampling, cfg=cfg.engine.vllm_server, max_staleness=K,
+                                 name=f"vllm-server-{i}") for i, url in enumerate(cfg.engine.vllm_server.urls)]
+    make: Callable[[int, str], Engine]
+    if cfg.engine.kind == "simulated":
+        from pipeline.engines.simulated import SimulatedEngine
+
+        make = lambda i, dev: SimulatedEngine(cfg.engine.simulated, seed=cfg.seed + offset + i,
+                                                             name=f"simulated-{i}", full_weights=full)
+    elif cfg.engine.kind == "transformers":
+        from pipeline.engines.transformers import TransformersEngine
+
+        # deterministic: each group decoded alone, so no group's numbers depend on which others it met
+        tcfg = replace(cfg.engine.transformers, max_batch_groups=1) if cfg.deterministic else cfg.engine.transformers
+        make = lambda i, dev: TransformersEngine(
+            model_path, sampling=cfg.sampling, cfg=tcfg, device=dev, dtype=cfg.model.dtype,
+            max_loaded_adapters=cfg.engine.transformers.max_loaded_adapters or K + 1, seed=cfg.seed + offset + i,
+            name=f"transformers-{i}", trust_remote_code=cfg.model.trust_remote_code, full_weights=full,
+            deterministic=cfg.deterministic)
+    else:
+        from pipeline.engines.vllm import VLLMEngine
+
+        make = lambda i, dev: VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=dev,
+                                                   max_staleness=K, name=f"vllm-{i}",
+                                                   seed=cfg.engine.vllm.seed + offset + i, full_weights=full)
+    return [make(i, dev) for i, dev in enumerate(cfg.engine.devices)]
+
+
+def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed: int) -> list[Engine]:
+    """One `vllm serve` of the model per engine.devices entry, each the engine of its own server:
+    started by the engine's start() and stopped by its close(), so an engine restart is a new server."""
+    from pipeline.engines.vllm_launch import VLLM_SERVE, VLLMServeProcess
+    from pipeline.engines.vllm_server import VLLMServerEngine
+
+    vc, sc, K = cfg.engine.vllm, cfg.engine.vllm_server, cfg.pipeline.max_staleness
+    engines: list[Engine] = []
+    # servers of one GPU start one after another: vLLM sizes its KV cache from the memory it sees
+    # free while profiling, which a second server starting beside it would be taking
+    gates = {device: asyncio.Lock() for device in cfg.engine.devices}
+    for i, device in enumerate(cfg.engine.devices):
+        server = VLLMServeProcess(
+            model_path, log_dir / f"vllm-server-{i}.log", device=device, host=sc.host,
+            port=sc.port + i if sc.port else 0, gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
+            max_num_seqs=vc.max_num_seqs, max_lora_rank=vc.max_lora_rank,
+            max_loras=sc.max_loaded_adapters or K + 2, enforce_eager=vc.enforce_eager,
+            extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), program=sc.command or VLLM_SERVE)
+        engines.append(VLLMServerEngine(server.url, sampling=cfg.sampling, cfg=sc, max_staleness=K,
+                                        name=f"vllm-server-{i}", server=server,
+                                        server_timeout_s=cfg.engine.start_timeout_s, server_gate=gates[device]))
+    return engines
+
+
+def early_trainer_process(cfg: RunConfig) -> Any:
+    """The trainer's process, started at once to import its libraries while the model is built
+    (None where the trainer runs in this process or is simulated)."""
+    if cfg.trainer.kind == "simulated" or not cfg.trainer.separate_process:
+        return None
+    if cfg.trainer.devices:  # rank 0's; the other ranks start at setup
+        from pipeline.trainer.ranks import early_process
+
+        return early_process(cfg.trainer)
+    from pipeline.trainer.process import TrainerProcess
+
+    return TrainerProcess(cfg.trainer)
+
+
+def build_trainer(cfg: RunConfig, model_path: str | None, process: Any = None) -> Any:
+    """The trainer of trainer.kind: peft LoRA (or full weights) in its own process (`process`, when
+    started early) or a thread, or simulated."""
+    if cfg.trainer.kind == "simulated":
+        from pipeline.trainer.policy import SimulatedTrainer
+
+        return SimulatedTrainer(cfg.trainer.step_s, update=cfg.trainer.update)
+    from pipeline.trainer.policy import LoRATrainer
+    from pipeline.trainer.process import ProcessTrainer
+    from pipeline.trainer.ranks import RankedTrainer
+
+    tc = cfg.trainer
+    if tc.separate_process and tc.rank_devices[0] == "cpu":  # its own process: its own thread count (devices.py)
+        engine_on_cpu = cfg.engine.kind == "transformers" and "cpu" in cfg.engine.devices
+        threads = trainer_threads(tc.threads, max_staleness=cfg.pipeline.max_staleness, engine_on_cpu=engine_on_cpu,
+                                  hidden_size=_hidden_size(model_path))
+        if tc.devices and not tc.threads:  # the trainer's share of the cores, split between its ranks
+            threads = max(1, threads // len(tc.devices))
+        tc = replace(tc, threads=threads)
+    cls = RankedTrainer if tc.devices else ProcessTrainer if tc.separate_process else LoRATrainer
+    # aggregation = "constant" divides by sequences x norm_tokens; 0 there means the completion cap
+    loss = replace(cfg.loss, norm_tokens=cfg.loss.norm_tokens or cfg.sampling.max_new_tokens)
+    kwargs = {"process": process} if cls is not LoRATrainer else {}
+    return cls(model_path, tc, loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
+               keep_versions=cfg.pipeline.max_staleness + 2, deterministic=cfg.deterministic, **kwargs)
+
+
+def _hidden_size(model_path: str | None) -> int | None:
+    """The model's width from its config.json (None when it says none or cannot be read)."""
+    value = model_config_value(model_path, "hidden_size")
+    return value if isinstance(value, int) else None
+
+
+def episodes(cfg: RunConfig, factory: Any, builder: Any, tokenizer: Any) -> Any:
+    """The runner of each group's episodes with `factory`'s environments; None for single turns."""
+    if factory is None:
+        return None
+    if tokenizer is None:
+        raise ConfigError("an environment needs the model's tokenizer (its actions are text, its replies are "
+                          "rendered to tokens); Pipeline(tokenizer=False) cannot run episodes")
+    from pipeline.loop.episodes import Episodes
+
+    return Episodes(factory, cfg=cfg.env, builder=builder, tokenizer=tokenizer,
+                    max_new_tokens=cfg.sampling.max_new_tokens, request_timeout_s=cfg.engine.request_timeout_s)
+
+
+async def start(engines: Sequence[Engine], trainer: Any, timeout: float) -> dict[str, float]:
+    """Start the engines and the trainer concurrently (both are slow), under engine.start_timeout_s,
+    each to its end: shutdown closing one still starting raced its start, and whichever failed first
+    (engines, then the trainer) is the error. Returns how long each took (the slowest engine's)."""
+    async def timed(aw: Any) -> float:
+        t = time.monotonic()
+        await aw
+        return time.monotonic() - t
+
+    try:
+        async with asyncio.timeout(timeout):
+            started = await asyncio.gather(*(timed(e.start()) for e in engines), timed(asyncio.to_thread(trainer.setup)),
+                                           return_exceptions=True)
+    except TimeoutError:
+        raise EngineDeadError(f"engines and trainer did not start within engine.start_timeout_s = "
+                              f"{timeout} s") from None
+    for result in started:
+        if isinstance(result, BaseException):
+            raise result
+    return {"engines_start_s": max(started[:-1], default=0.0), "trainer_start_s": started[-1]}
+
+
+async def close(engines: Sequence[Engine], trainer: Any, timeout: float) -> None:
+    """Close what the pipeline built: the trainer (if any), then the engines, each under `timeout`."""
+    if trainer is not None:
+        await asyncio.to_thread(trainer.close)
+    results = await asyncio.gather(*(asyncio.wait_for(e.close(), timeout) for e in engines), return_exceptions=True)
+    for e, r in zip(engines, results):
+        if isinstance(r, BaseException):
+            log.error("engine_close_failed", engine=e.name, error=repr(r))

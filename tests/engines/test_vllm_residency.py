@@ -1,0 +1,228 @@
+"""VLLMEngine's adapters on a stand-in AsyncLLM that logs add_lora and remove_lora as they are sent.
+
+vLLM's client sends a call to the engine core in the first step of the task that awaits it, so
+the order of this log is the order the engine core sees (tests/engines/test_vllm_gpu.py and
+tests/engines/test_engine_contract.py check the same engine on vLLM itself, with -m gpu).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Awaitable, Callable
+
+import pytest
+
+from pipeline.config.schema import SamplingConfig, VLLMEngineConfig
+from pipeline.engines.vllm import VLLMEngine
+from pipeline.errors import AdapterError
+from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt
+
+
+class RecordingAsyncLLM:
+    """Just enough of vLLM's AsyncLLM for VLLMEngine: a log of LoRA calls, loads that fail, requests held open."""
+
+    instances: list[RecordingAsyncLLM] = []
+
+    def __init__(self) -> None:
+        self.model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100)
+        self.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(max_cudagraph_capture_size=0))
+        self.errored = False
+        self.calls: list[tuple[str, str, int]] = []  # ("add" | "remove", lora_name, lora_int_id), as sent
+        self.fail: set[str] = set()  # add_lora raises for these names, as vLLM does for a bad adapter
+        self.gates: dict[str, asyncio.Event] = {}  # generate on this adapter waits until its gate is set
+        self._names: dict[int, str] = {}
+
+    @classmethod
+    def from_engine_args(cls, args: object) -> RecordingAsyncLLM:
+        cls.instances.append(cls())
+        return cls.instances[-1]
+
+    async def add_lora(self, lora: SimpleNamespace) -> bool:
+        self.calls.append(("add", lora.lora_name, lora.lora_int_id))
+        self._names[lora.lora_int_id] = lora.lora_name
+        await asyncio.sleep(0)  # the engine core answers later
+        if lora.lora_name in self.fail:
+            raise RuntimeError(f"worker could not load {lora.lora_name}")
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        self.calls.append(("remove", self._names[lora_id], lora_id))
+        await asyncio.sleep(0)
+        return True
+
+    async def generate(self, prompt: dict, params: SimpleNamespace, request_id: str, lora_request=None):  # type: ignore[no-untyped-def]
+        if lora_request is not None and lora_request.lora_name in self.gates:
+            await self.gates[lora_request.lora_name].wait()
+        lp = [{t: SimpleNamespace(logprob=-0.5)} for t in (1, 2)]
+        outputs = [SimpleNamespace(index=i, token_ids=[1, 2], finish_reason="length", logprobs=lp)
+                   for i in range(params.n)]
+        yield SimpleNamespace(finished=True, outputs=outputs, lora_request=lora_request)
+
+    async def abort(self, request_ids: object) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def ops(self) -> list[tuple[str, str]]:
+        return [(op, name) for op, name, _ in self.calls]
+
+
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names VLLMEngine.start() imports from vLLM, in stand-in modules."""
+    def new(**kw: Any) -> SimpleNamespace:
+        return SimpleNamespace(**kw)
+
+    error = type("FakeVLLMError", (Exception,), {})
+    names = {"vllm.engine.arg_utils": {"AsyncEngineArgs": new}, "vllm.inputs": {"TokensPrompt": dict},
+             "vllm.lora.request": {"LoRARequest": new},
+             "vllm.sampling_params": {"SamplingParams": new, "RequestOutputKind": SimpleNamespace(FINAL_ONLY=2)},
+             "vllm.v1.engine.async_llm": {"AsyncLLM": RecordingAsyncLLM},
+             "vllm.v1.engine.exceptions": {"EngineDeadError": error, "EngineGenerateError": error}}
+    for dotted, attrs in names.items():
+        parts = dotted.split(".")
+        for package in (".".join(parts[:i]) for i in range(1, len(parts))):  # the packages above it
+            if package not in sys.modules:
+                monkeypatch.setitem(sys.modules, package, types.ModuleType(package))
+        module = types.ModuleType(dotted)
+        module.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, dotted, module)
+    monkeypatch.setattr(RecordingAsyncLLM, "instances", [])
+
+
+def adapter(tmp_path: Path, version: int, run: str = "a") -> AdapterRef:
+    directory = tmp_path / "adapters" / run / str(version)
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text('{"r": 8}')
+    (directory / "adapter_model.safetensors").write_bytes(b"")
+    return AdapterRef(version, f"v{version:06d}-{run}", str(directory))
+
+
+def request(i: int) -> GroupRequest:
+    return GroupRequest(i, Prompt(f"p{i}", "", (4, 5, 6)), n=2, max_new_tokens=8)
+
+
+async def settle() -> None:
+    """Let the tasks already scheduled (background removals, the stand-in's answers) run."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def run_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_loras: int,
+               body: Callable[[VLLMEngine, RecordingAsyncLLM], Awaitable[Any]]) -> None:
+    """Start a VLLMEngine (max_staleness 1) on a RecordingAsyncLLM, run `body`, close it."""
+    fake_vllm(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    (tmp_path / "model").mkdir()
+    engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), cfg=VLLMEngineConfig(max_loras=max_loras),
+                        device="cuda:0", max_staleness=1, name="vllm-residency")
+
+    async def main() -> None:
+        await engine.start()
+        try:
+            await body(engine, RecordingAsyncLLM.instances[-1])
+        finally:
+            await engine.close()
+
+    asyncio.run(main())
+
+
+async def held(engine: VLLMEngine, llm: RecordingAsyncLLM, i: int, on: AdapterRef) -> asyncio.Task[Generation]:
+    """A generate call on `on` that stays inside vLLM until `llm.gates[on.name]` is set."""
+    llm.gates[on.name] = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(engine.generate(request(i), on), name=f"held-{i}")
+    await settle()
+    assert not task.done()
+    return task
+
+
+def test_a_loaded_adapter_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a1 = adapter(tmp_path, 1)
+
+    async def body(engine: VLLMEngine, llm: RecordingAsyncLLM) -> None:
+        await engine.load_adapter(a1)
+        gens = await asyncio.gather(*(engine.generate(request(i), a1) for i in range(3)))
+        await engine.load_adapter(a1)
+        assert [g.version for g in gens] == [1, 1, 1]
+        assert llm.ops() == [("add", a1.name)] and engine.loaded_adapters == (a1.name,)
+
+    run_engine(tmp_path, monkeypatch, 0, body)
+
+
+def test_over_max_loras_the_oldest_idle_adapter_is_removed_before_the_new_one_is_added(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Three runs' version 1 and 2: versions never fall behind by more than max_staleness, so only the bound acts.
+    a1, a2, b1, c1 = adapter(tmp_path, 1, "a"), adapter(tmp_path, 2, "a"), adapter(tmp_path, 1, "b"), \
+        adapter(tmp_path, 1, "c")
+
+    async def body(engine: VLLMEngine, llm: RecordingAsyncLLM) -> None:
+        await engine.load_adapter(a1)
+        await engine.load_adapter(a2)
+        await engine.load_adapter(b1)
+        assert llm.ops() == [("add", a1.name), ("add", a2.name), ("remove", a1.name), ("add", b1.name)]
+        assert engine.loaded_adapters == (a2.name, b1.name)
+        running = await held(engine, llm, 1, a2)  # the oldest is busy: the next oldest goes instead
+        await engine.load_adapter(c1)
+        assert llm.ops()[4:] == [("remove", b1.name), ("add", c1.name)]
+        assert engine.loaded_adapters == (a2.name, c1.name)
+        llm.gates[a2.name].set()
+        assert (await running).version == 2
+
+    run_engine(tmp_path, monkeypatch, 2, body)
+
+
+def test_loading_v_removes_versions_older_than_v_minus_k_once_no_request_uses_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    v = {i: adapter(tmp_path, i) for i in (1, 2, 3, 4)}
+
+    async def body(engine: VLLMEngine, llm: RecordingAsyncLLM) -> None:
+        running = await held(engine, llm, 1, v[1])
+        await engine.load_adapter(v[2])
+        await engine.load_adapter(v[3])  # version 1 is stale now, but a group still runs on it
+        assert llm.ops() == [("add", v[1].name), ("add", v[2].name), ("add", v[3].name)]
+        llm.gates[v[1].name].set()
+        assert (await running).version == 1
+        await settle()
+        assert llm.ops()[3:] == [("remove", v[1].name)] and engine.loaded_versions == (2, 3)
+        await engine.load_adapter(v[4])  # version 2 is stale and idle: it goes at once, before 4 is added
+        assert llm.ops()[4:] == [("remove", v[2].name), ("add", v[4].name)]
+        assert engine.loaded_versions == (3, 4)
+
+    run_engine(tmp_path, monkeypatch, 0, body)
+
+
+def test_an_adapter_is_removed_only_after_its_last_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a1 = adapter(tmp_path, 1)
+
+    async def body(engine: VLLMEngine, llm: RecordingAsyncLLM) -> None:
+        running = await held(engine, llm, 1, a1)
+        await engine.unload_adapter(a1)
+        await settle()
+        assert llm.ops() == [("add", a1.name)] and engine.loaded_versions == (1,)
+        llm.gates[a1.name].set()
+        assert (await running).version == 1
+        await settle()
+        assert llm.ops() == [("add", a1.name), ("remove", a1.name)] and engine.loaded_versions == ()
+
+    run_engine(tmp_path, monkeypatch, 0, body)
+
+
+def test_a_failed_add_lora_leaves_nothing_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a1 = adapter(tmp_path, 1)
+
+    async def body(engine: VLLMEngine, llm: RecordingAsyncLLM) -> None:
+        llm.fail.add(a1.name)
+        with pytest.raises(AdapterError, match="could not load adapter version 1"):
+            await engine.load_adapter(a1)
+        assert engine.loaded_versions == () and engine.stats.adapters_loaded == 0
+        llm.fail.clear()
+        assert (await engine.generate(request(1), a1)).version == 1  # loaded again, not the failure replayed
+        (add1, _, id1), (add2, _, id2) = llm.calls  # and nothing removed: vLLM never held the first
+        assert (add1, add2) == ("add", "add") and id2 > id1
+        assert engine.loaded_adapters == (a1.name,)
+
+    run_engine(tmp_path, monkeypatch, 0, body)
