@@ -6,7 +6,7 @@ A child process takes a copy of the environment when it starts. A vLLM engine na
 CUDA_VISIBLE_DEVICES to its own GPU while its engine core starts (in a worker thread, so the
 event loop runs on), and the trainer process is spawned at the same moment of set-up: started
 inside that window, the trainer would see only the engine's GPU ("invalid device ordinal" on
-cuda:1, seen on 2x H200).
+cuda:1, seen on two GPUs).
 
 Invariant: the environment is narrowed only inside `visible_devices`, and every start of a child
 process that may use a GPU holds `ENV_LOCK`, which `visible_devices` holds too, so a child never
@@ -71,15 +71,12 @@ def sched_idle(tid: int = 0) -> bool:
     """Put thread `tid` (0: the calling one), and the threads it starts later, under Linux SCHED_IDLE.
 
     Under a normal policy, even at nice 19, a thread computing beside the event loop can keep the
-    core until the next scheduler tick (4 ms at HZ=250) when the loop wakes. Measured with
-    `python run.py` on 2 cores, loop lag p99 at max_staleness 4 / 8: 4.3-4.5 ms with the trainer
-    process at nice 10 alone, 1.9-2.6 ms with the transformers engine's thread and the trainer
-    process both idle-scheduled. The price, measured over three alternating pairs of transformers
-    sweeps: 8% less throughput at K=1 (94 against 102 groups/s), 2% at K=4 (likely because the
+    core until the next scheduler tick when the loop wakes; idle-scheduled, the engine's thread and
+    the trainer process leave the loop's lag lower, at some throughput at low K (likely because the
     kernel counts a core that runs only idle-scheduled threads as free when it places a waking
     thread, so the two tiers meet on one core; not verified). Such threads also get only the
     cycles that other programs leave. Hence opt-in (engine.transformers.sched_idle,
-    trainer.sched_idle).
+    trainer.sched_idle; figures in docs/architecture.md#measurements-behind-the-code).
     Returns False where the platform has no SCHED_IDLE or refuses it.
     """
     policy = getattr(os, "SCHED_IDLE", None)
@@ -105,10 +102,8 @@ def lower_process_priority(nice: int, idle: bool) -> None:
             sched_idle(tid)
 
 
-# Below this width a CPU step's ops are too small to share out: measured on 2 cores, the built-in
-# tiny model (d = 64) trained a 64-sample step in 36-41 ms on one thread against 52-64 ms on two,
-# at max_staleness 0 and 1; the small one (d = 256, 256 samples of 32 tokens) in 447-468 ms on two
-# against 698-711 ms on one at max_staleness 0 (docs/benchmarks.md#threads).
+# Below this width a CPU step's ops are too small to share out: the built-in tiny model (d = 64)
+# trains faster on one thread than on two, the small one (d = 256) faster on two (docs/architecture.md#measurements-behind-the-code).
 WIDE_ENOUGH_TO_SPLIT = 256
 
 

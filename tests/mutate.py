@@ -2,7 +2,7 @@
 
     python tests/mutate.py                      # a seeded sample of mutants per module, a few minutes
     python tests/mutate.py --per-module 0       # every mutant (long)
-    python tests/mutate.py --modules loss ledger --json runs/mutate.json
+    python tests/mutate.py --modules trainer/loss store/ledger --json runs/mutate.json
 
 Each mutant changes one operator in one module (+ and -, * and /, < and <=, > and >=, == and !=,
 `and` and `or`, `not x` to `x`, 0 and 1, True and False), is written into a copy of the
@@ -29,15 +29,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# module -> the test files that own it (the audit's scope: where a silent break corrupts learning)
+# module (under pipeline/) -> the test files that own it (the audit's scope: where a silent break corrupts learning)
 TARGETS = {
-    "loss": ["tests/trainer/test_loss.py", "tests/trainer/test_trainer_learning.py"],
-    "buffer": ["tests/loop/test_buffer.py"],
-    "scoring": ["tests/loop/test_scoring.py", "tests/data/test_rewards.py", "tests/loop/test_episodes.py"],
-    "training": ["tests/loop/test_training.py", "tests/loop/test_orchestrator.py"],
-    "trainer": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_learning.py"],
-    "episodes": ["tests/loop/test_episodes.py"],
-    "ledger": ["tests/store/test_ledger.py"],
+    "trainer/loss": ["tests/trainer/test_loss.py", "tests/trainer/test_trainer_learning.py"],
+    "loop/buffer": ["tests/loop/test_buffer.py"],
+    "loop/scoring": ["tests/loop/test_scoring.py", "tests/data/test_rewards.py", "tests/loop/test_episodes.py"],
+    "loop/training": ["tests/loop/test_training.py", "tests/loop/test_orchestrator.py"],
+    "trainer/policy": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_learning.py"],
+    "loop/episodes": ["tests/loop/test_episodes.py"],
+    "store/ledger": ["tests/store/test_ledger.py"],
 }
 
 _SWAPS: dict[type, type] = {
@@ -108,7 +108,7 @@ def mutants(module: str, per_module: int, seed: int) -> list[Mutant]:
     found = [Mutant(module, i, getattr(node, "lineno", 0), what) for i, (node, _, what) in enumerate(_sites(tree))
              if id(node) not in skip]
     if per_module and len(found) > per_module:
-        found = sorted(random.Random(f"{seed}-{module}").sample(found, per_module), key=lambda m: m.index)
+        found = sorted(random.Random(f"{seed}-{module.rsplit('/', 1)[-1]}").sample(found, per_module), key=lambda m: m.index)
     return found
 
 

@@ -88,7 +88,7 @@ class SimulatedEngine:
         self._started = True
         self._groups_since_start = 0
 
-    _POOL = 1 << 18  # synthetic values drawn once; groups take slices (a fresh RNG per group costs ~50 us)
+    _POOL = 1 << 18  # synthetic values drawn once; groups take slices (a fresh RNG per group costs more than a group's slice)
     # std of the policy's logits: a peaked-but-random policy (at 128 ids, seeds 0-4: entropy 2.6-3.6
     # nats, the most likely id 0.12-0.42), so rewards of token ids still vary within a group
     _LOGIT_STD = 2.0

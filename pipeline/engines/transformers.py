@@ -397,8 +397,8 @@ class TransformersEngine:
 
     def _load_adapter(self, adapter: AdapterRef) -> None:
         """Load a version: into the peft adapter of an unloaded version with the same config when
-        there is one (its tensors overwritten in place: ~1 ms, where peft's load_adapter injects new
-        layers in 25-70 ms, more with every adapter it holds), else as a new peft adapter."""
+        there is one (its tensors overwritten in place, where peft's load_adapter injects new layers,
+        slower with every adapter it holds), else as a new peft adapter."""
         t0 = time.monotonic()
         assert adapter.path is not None  # check_adapter_dir refused it on the loop
         config = (Path(adapter.path) / "adapter_config.json").read_bytes()
@@ -602,8 +602,8 @@ class TransformersEngine:
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every value of every tensor is finite: one check over them all (one per tensor cost
-    ~2.5x as much on an adapter's 28 small tensors)."""
+    """Whether every value of every tensor is finite: one check over them all (one per tensor costs
+    more on an adapter's many small tensors)."""
     if not tensors:
         return True
     dtypes = {t.dtype for t in tensors}

@@ -12,7 +12,7 @@ Invariants (beyond the Engine protocol's):
   they are taken after temperature, penalties and truncation: the distribution actually sampled.
 - Every adapter is its own LoRARequest: lora_name = AdapterRef.name, an int id from a per-engine
   counter that is never reused, the directory as published. Never `load_inplace=True` (with
-  vLLM 0.24.0 it generated with weights matching neither version; /work/shared/gpu/README.md).
+  vLLM 0.24.0 it generated with weights matching neither version; docs/architecture.md#measurements-behind-the-code).
 - Which adapters stay is decided by a `residency.Residency` (bound: max_loras). An adapter with
   requests in flight is never removed, so a group that started on version k ends on k. Loading
   version v removes the idle adapters older than v - max_staleness and then the oldest idle ones
@@ -48,8 +48,7 @@ Two engines on one GPU work when started one after the other, each with its own
 are checked on H200s by tests/engines/test_vllm_gpu.py.
 
 Start-up runs the AsyncLLM constructor in a worker thread: it waits for the engine core
-synchronously (20-45 s for the built-in "small" model in eager mode on an H200, more with
-torch.compile and CUDA graphs), and a restart in the middle of a run must not stall the loop, the
+synchronously (tens of seconds even in eager mode, more with torch.compile and CUDA graphs), and a restart in the middle of a run must not stall the loop, the
 other engines and the trainer meanwhile. Constructed outside the loop, AsyncLLM starts its output
 task lazily, on the first request or adapter load, on the loop that makes it; the engine must
 then be used from the event loop that awaited `start()`. CUDA_VISIBLE_DEVICES is process-wide, so
@@ -485,7 +484,7 @@ class VLLMEngine:
             presence_penalty=s.presence_penalty,
             frequency_penalty=s.frequency_penalty,
             max_tokens=request.max_new_tokens,
-            # None = the engine's own seeded generator; a per-request seed costs vLLM 10-17% throughput
+            # None = the engine's own seeded generator; a per-request seed costs vLLM throughput (docs/architecture.md#measurements-behind-the-code)
             # (seeded rows are sampled one by one). vLLM seeds child i of the group with seed + i.
             seed=request.seed,
             logprobs=0,  # just the sampled token's log-prob

@@ -2,8 +2,8 @@
 
 The server runs where you start it, on this host or another; the pipeline only talks to it. Its
 output handling (detokenizing, per-token log-probs) then runs in the server's process, not on the
-pipeline's event loop, where an in-process AsyncLLM took two thirds of the loop's CPU at K = 2
-(README, "Measured on H200s").
+pipeline's event loop, where an in-process AsyncLLM's output handling is most of the loop's CPU
+at K >= 1 (docs/results.md, "Where the event loop's time goes").
 
 Invariants (beyond the Engine protocol's):
 - One group is one `POST /v1/completions`: the prompt's token ids, n = G, logprobs = 0,

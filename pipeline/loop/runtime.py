@@ -32,7 +32,7 @@ def quiet_gc(threshold: int) -> tuple[int, ...]:
 
     Each group allocates thousands of small acyclic objects (token lists, completions); a
     young-generation pass every 700 allocations, and full passes over everything set-up built
-    (the model, the tokenizer), cost the overhead benchmark 15-40 us a group."""
+    (the model, the tokenizer), are a cost per group the overhead benchmark sees (docs/architecture.md#measurements-behind-the-code)."""
     before = gc.get_threshold()
     gc.freeze()
     gc.set_threshold(threshold, *before[1:])
@@ -61,9 +61,9 @@ class Runtime:
         (trainer.threads, `devices.trainer_threads`).
 
         Two torch threads that each run a full-width OpenMP team oversubscribe the cores, and
-        the spinning teams slowed the tiny model's decoding by up to 100x on a 2-core machine.
+        the spinning teams slowed the tiny model's decoding many times over on a 2-core machine.
         Also at max_staleness 0, where they take turns: decoding's ops are too small for a second
-        thread to pay (vs_trl on 2 cores: 207 samples/s with both, 354 with half; docs/benchmarks.md#threads).
+        thread to pay (docs/architecture.md#measurements-behind-the-code).
         """
         cfg = self.cfg
         if "cpu" in cfg.trainer.rank_devices and cfg.trainer.kind == "peft" and cfg.engine.kind == "transformers" \
@@ -83,7 +83,7 @@ class Runtime:
                 self._signals.append(sig)
         if pc.switch_interval_ms:
             # a worker thread holding the GIL (the engine's Python glue, a zarr flush) keeps the
-            # loop waiting up to this long; Python's 5 ms default was the loop's lag on 2 cores
+            # loop waiting up to this long; Python's default was the loop's lag on 2 cores
             self._switch_before = sys.getswitchinterval()
             sys.setswitchinterval(pc.switch_interval_ms / 1000)
         if pc.gc_threshold:

@@ -195,12 +195,11 @@ def batch_decoder(tokenizer: Any, parallel: bool = False) -> Callable[[list[list
     """`tokenizer.batch_decode(ids, skip_special_tokens=True)`, through the Rust tokenizer itself
     when that is exactly what it amounts to.
 
-    transformers decodes a batch one sequence at a time through its Python wrapper (~40 us a
-    completion of 128 tokens on this project's CPU, holding the GIL). Straight to the Rust
-    tokenizer, the same decode costs a fraction of that:
+    transformers decodes a batch one sequence at a time through its Python wrapper, holding the
+    GIL. Straight to the Rust tokenizer, the same decode costs a fraction of that:
     - `parallel=False`: one Rust decode per sequence on the calling thread, which keeps its
       core. For the event loop: handing a small batch to other threads made the loop wait for
-      them to be scheduled (`python run.py`'s lag p99 rose by ~0.4 ms on 2 cores).
+      them to be scheduled (`python run.py`'s lag p99 rose on 2 cores).
     - `parallel=True`: `decode_batch`, in parallel and without the GIL, for a worker thread.
     Taken only for a fast tokenizer whose `_decode` is the base class's (that decode, then an
     optional clean-up) with the clean-up off; any other tokenizer keeps its own `batch_decode`.

@@ -5,8 +5,8 @@ Every module logs with `structlog.get_logger(__name__)` and snake_case event nam
 (`adapter_published version=7 seconds=0.041`); `policy_version` and `engine` are bound through
 contextvars where they apply. The file gets info and up (debug too when `level` is debug);
 the console gets `level` and up, written through tqdm so a progress bar is not torn. Debug
-events are per step or per version (publishes, loads, flushes): writing each to the file cost
-the overhead benchmark about 0.7 ms a step, and metrics.jsonl has their figures anyway; a
+events are per step or per version (publishes, loads, flushes): writing each to the file is a
+cost the overhead benchmark sees every step, and metrics.jsonl has their figures anyway; a
 debug call below the loggers' level is dropped before any processor runs.
 
 The trainer's child process (pipeline/trainer/process.py) logs at the same floor; its events,

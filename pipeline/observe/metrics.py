@@ -94,8 +94,8 @@ class LoopLagMonitor:
             return 0.0
         n = len(self.lags)
         k = n if last is None else min(n, last)
-        # from the right end: islice(lags, n - k, n) walks the n - k older samples first, which
-        # cost ~1 ms a step once the deque held its 100,000
+        # from the right end: islice(lags, n - k, n) walks the n - k older samples first, every
+        # step, once the deque holds its 100,000
         it = itertools.islice(reversed(self.lags), k)
         return 1000.0 * percentile(np.fromiter(it, dtype=np.float64, count=k), q)
 
@@ -103,8 +103,8 @@ class LoopLagMonitor:
 def percentile(a: np.ndarray, q: float) -> float:
     """np.percentile(a, q) (linear interpolation) for a non-empty 1-d array, by partial sort.
 
-    The same value, at a third of the cost for the 2,000 samples a step reads: np.percentile's
-    own machinery cost ~45 us, every step, on the event loop.
+    The same value, cheaper for the few thousand samples a step reads: np.percentile's own
+    machinery is a cost paid every step, on the event loop.
     """
     pos = (len(a) - 1) * q / 100.0
     lo = int(pos)

@@ -82,9 +82,8 @@ TOKEN_CHUNK = 65536
 
 _INT32_MAX = 2**31 - 1
 
-# Numeric arrays: lz4 after bit-shuffling encoded token-id chunks 6-17x faster than zarr's default
-# zstd (level 3) here, to 0.4-0.55 of their size (zstd: 0.33-0.7, uniform to Zipf-like ids);
-# logprobs stay at ~0.9 either way. String arrays keep the default (vlen-utf8 + zstd). Readers
+# Numeric arrays: lz4 after bit-shuffling encodes token-id chunks several times faster than zarr's
+# default zstd (level 3), to about the same size; logprobs barely compress either way (docs/architecture.md#measurements-behind-the-code). String arrays keep the default (vlen-utf8 + zstd). Readers
 # need nothing new: zarr records each array's codecs, and older stores keep theirs.
 _NUMERIC_COMPRESSOR = BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle")
 

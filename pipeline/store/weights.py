@@ -134,8 +134,8 @@ class AdapterStore:
         readonly: for readers (engines) sharing the root with a publisher elsewhere: nothing is
             created or removed, and `publish`/`prune` are refused.
         kind: "lora" (adapter directories) or "full" (whole models, for full-weight updates).
-        sync: force each version's files and its rename to disk before `publish` returns (1 ms of
-            fsyncs a LoRA r16 version of the tiny model on a local disk, more on a shared one).
+        sync: force each version's files and its rename to disk before `publish` returns (little
+            for a LoRA version on a local disk, more on a shared one).
         """
         if kind not in CONFIGS:
             raise ValueError(f"kind must be one of {', '.join(CONFIGS)}, got {kind!r}")
