@@ -180,7 +180,7 @@ def step_components(versions: int, tmp: Path) -> dict[str, Any]:
     (the simulated trainer's minimal version: write, hash, manifest, fsyncs, rename), verify_dir
     (what the adapter loop checks before engines load) and prune (retention)."""
     from pipeline.store.weights import AdapterStore
-    from pipeline.trainer.policy import SimulatedTrainer
+    from pipeline.trainer.simulated import SimulatedTrainer
 
     store = AdapterStore(tmp / "step-components", keep_last=2)
     trainer = SimulatedTrainer()

@@ -25,7 +25,7 @@ import common  # noqa: E402
 
 from pipeline.models import builtin as models  # noqa: E402
 from pipeline.config.schema import LossConfig, TrainerConfig  # noqa: E402
-from pipeline.trainer.policy import LoRATrainer  # noqa: E402
+from pipeline.trainer.policy import PolicyTrainer  # noqa: E402
 from pipeline.types import Batch, Completion, Generation, GroupRequest, Prompt, RolloutGroup  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def main() -> None:
 
     model_dir = models.build_model(a.shape, a.model_cache)
     cfg = TrainerConfig(update="full", device=a.device, dtype=a.dtype, lr=1e-6)
-    trainer = LoRATrainer(model_dir, cfg, LossConfig(), keep_versions=3)
+    trainer = PolicyTrainer(model_dir, cfg, LossConfig(), keep_versions=3)
     trainer.setup()
     vocab = trainer.model.config.vocab_size
     params = sum(q.numel() for _, q in trainer._trainable())

@@ -33,7 +33,7 @@ import numpy as np
 from pipeline.store.weights import MANIFEST, AdapterStore
 from pipeline.config.schema import RunConfig
 from pipeline.config.io import load_config
-from pipeline.trainer.policy import SimulatedTrainer
+from pipeline.trainer.simulated import SimulatedTrainer
 from pipeline.types import AdapterRef, Batch, Generation, GroupRequest, Prompt, RolloutGroup
 
 STANDALONE_IDS = 10**9  # group ids of standalone requests, far from any run's
@@ -380,11 +380,11 @@ class ModelWorkload(Workload):
             self.store_root, self.template, self.replay_step_s = src.store_root, src.template, src.replay_step_s
             self.trainer_timing, self.trainer_timed_in = src.trainer_timing, src.trainer_timed_in
             return dict(src.trainer_timing)
-        from pipeline.trainer.policy import LoRATrainer
+        from pipeline.trainer.policy import PolicyTrainer
 
         cfg = self.config(0, scratch / "cfg")
         # the real trainer is timed with either --trainer: --trainer sim replays its step time and adapter
-        trainer = LoRATrainer(self.model_path, cfg.trainer, cfg.loss, seed=self.args.seed, keep_versions=2)
+        trainer = PolicyTrainer(self.model_path, cfg.trainer, cfg.loss, seed=self.args.seed, keep_versions=2)
         self.store_root = scratch / "store"
         try:
             tr = await asyncio.to_thread(time_trainer, trainer, groups, self.store_root, self.args.repeats,

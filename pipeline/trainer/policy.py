@@ -1,23 +1,20 @@
-"""The trainer: one policy update per batch on its own device, published as a LoRA adapter or full weights.
+"""The policy trainer: one corrected GRPO update per batch, LoRA or full weights, alone or as one of FSDP2 ranks.
 
-Two update modes (`trainer.update`), one step:
-- "lora": a peft LoRA adapter on the frozen base model; only the adapter trains (in float32
-  whatever the base dtype) and each version is published as an adapter directory.
-- "full": every weight of the model trains, in `trainer.dtype` (float32 by default; bfloat16
-  halves the memory but AdamW on bf16 weights and moments loses small updates to rounding), and
-  each version is published as a whole model directory (what `save_pretrained` writes).
+`PolicyTrainer` is the one trainer. What `trainer.update` changes (which parameters train, the KL
+reference, what a version publishes) is its update strategy (pipeline.trainer.update). As one of
+trainer ranks it is given their collectives (pipeline.trainer.collectives; pipeline.trainer.ranks
+makes them) and shards its model with pipeline.trainer.fsdp.apply_fsdp; alone, its collectives
+are the no-op `Local` and the same code runs.
 
 Invariants:
-- Version t of the policy is the policy after t steps; version 0 is exactly the base model
-  (LoRA B starts at zero; full mode starts from the loaded weights), so engines at version 0
-  sample the same policy the trainer starts from.
+- Version t of the policy is the policy after t steps; version 0 is exactly the base model, so
+  engines at version 0 sample the same policy the trainer starts from.
 - `step` is synchronous and blocking: the orchestrator runs it in a worker thread, never on
   the event loop. A step is trainer.epochs passes over the batch in trainer.minibatches parts,
   one optimizer step each, and publishes one version. The proximal policy of the loss is the
   weights at the start of the step: with one optimizer step, the detached current log-probs;
   with more, log-probs computed once without grad before the first (timed: train/proximal_s),
-  so decoupled PPO's clip acts from the second optimizer step on. The KL reference (loss.kl_coef)
-  is the base model with the LoRA adapter disabled, or in full mode a frozen copy loaded once.
+  so decoupled PPO's clip acts from the second optimizer step on.
 - An optimizer step whose loss or gradient norm is not finite changes no weight and ends its
   step, which counts as skipped (the earlier optimizer steps of that step stand).
 - train/ess is the effective sample size of the whole batch's importance weights, not a mean
@@ -28,16 +25,9 @@ Invariants:
   tokens of a multi-turn episode are context of the forward pass and nothing else: their
   behaviour log-probs are never read and the logits that predict them get no gradient. A
   completion with no sampled token is left out. Single turns (mask None) weigh every token.
-- Published versions are safetensors + JSON only: adapter_config.json + adapter_model.safetensors
-  (peft's save_pretrained) for LoRA; config.json (+ generation_config.json) + model.safetensors,
-  or model-*-of-*.safetensors with model.safetensors.index.json, for full weights. Full-weight
-  tensors carry the base model's Hugging Face names (what `from_pretrained` and vLLM's weight
-  loader read); tied embeddings stay tied and are written once, as the base model writes them.
-- Log-probs can be recomputed under the last `keep_versions` versions (the current weights plus
-  CPU copies of older ones); in full mode a copy is the whole model, so at most the current and
-  the previous version are kept. A step copies the version it trains from only when its batch
-  says so (`Batch.keep_version`: the orchestrator asks when a log-prob check may look back at
-  it). An older version, or one not kept, raises KeyError.
+- Log-probs can be recomputed under the last `keep_versions` versions (pipeline.trainer.snapshots;
+  full mode keeps at most two). A step copies the version it trains from only when its batch
+  says so (`Batch.keep_version`). An older version, or one not kept, raises KeyError.
 - `recompute_logprobs` gives one [T] array per completion (empty for an empty one), over every
   completion token, environment ones too, aligned with `Completion.logprobs`; comparing it with
   the engine's is the caller's, over `Completion.sampled` positions.
@@ -47,17 +37,23 @@ Invariants:
   bit-identical weights to the original's; a state that does not fit (missing or corrupt file,
   the other update mode, other parameters, shapes or dtypes, other LoRA rank) is refused whole,
   nothing changed.
+- As one of trainer ranks: every rank holds the whole batch. The rows of each optimizer step are
+  split into contiguous shares, one per rank; each micro-batch's loss is weighed by its share of
+  the whole step's tokens (or sequences), so the summed gradient, the loss and every train/*
+  statistic equal the one-process trainer's up to float rounding. Every rank makes the same
+  number of forward and backward passes (a rank whose share is used up runs one that weighs
+  nothing). Log-probs computed without grad (proximal, reference, `recompute_logprobs`) are
+  computed for every row on every rank. A state holds one directory per rank, each rank's own
+  shards; a state that any rank refuses changes no rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Sequence
 
 import numpy as np
 import structlog
@@ -65,53 +61,37 @@ import torch
 
 from pipeline.config.schema import LossConfig, TrainerConfig
 from pipeline.errors import ConfigError, TrainerError
-from pipeline.trainer.loss import effective_sample_size, group_advantages, policy_loss
-from pipeline.models.builtin import (building_modules, load_causal_lm, pack_sequences, quiet_progress,
-                             token_logprobs_and_entropy)
-from pipeline.trainer.state import (UPDATE_MODES, Counters, read_simulated_state, read_state, write_simulated_state,
-                                    write_state)
+from pipeline.models.builtin import load_causal_lm, pack_sequences, token_logprobs_and_entropy
+from pipeline.trainer.collectives import Collectives, Local
+from pipeline.trainer.fsdp import apply_fsdp, device_mesh, like_parameter, local, value
+from pipeline.trainer.loss import effective_sample_size, policy_loss
+from pipeline.trainer.rows import (Rows, behaviour_logprobs, micro_batches, minibatches, padded_rows, rank_passes,
+                                   rows_of)
+from pipeline.trainer.snapshots import Snapshots
+from pipeline.trainer.state import (Counters, SavedState, check_ranks_file, rank_dir, read_state, refuse_ranks_state,
+                                    write_ranks_file, write_state)
+from pipeline.trainer.update import strategy_of, trainable_parameters
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
 log = structlog.get_logger(__name__)
 
-FULL_KEEP_VERSIONS = 2  # full mode: the current version and the previous one (a CPU copy of the whole model)
 
-
-@dataclass(slots=True)
-class _Rows:
-    """A batch flattened to rows, one per completion, in group order; each list is [N]."""
-
-    prompts: list[list[int]] = field(default_factory=list)
-    comps: list[list[int]] = field(default_factory=list)  # completion token ids (sampled and environment)
-    behaviour: list[np.ndarray] = field(default_factory=list)  # [T] the engine's log-probs (0 off the mask)
-    sampled: list[np.ndarray | None] = field(default_factory=list)  # Completion.mask: [T] bool, None = all sampled
-    advantages: list[float] = field(default_factory=list)
-    owner: list[tuple[int, int]] = field(default_factory=list)  # (group index, completion index)
-
-    def sampled_tokens(self, rows: Sequence[int] | None = None) -> int:
-        """How many tokens the policy sampled over `rows` (default: every row): the tokens a loss weighs."""
-        idx = range(len(self.comps)) if rows is None else rows
-        return sum(len(self.comps[r]) if self.sampled[r] is None else int(np.count_nonzero(self.sampled[r]))
-                   for r in idx)
-
-
-class LoRATrainer:
-    """The policy (a peft LoRA adapter, or with `cfg.update == "full"` every weight), its optimizer,
-    and the corrected GRPO step. The name predates full-weight updates; both modes live here
-    because they share everything but which parameters train and what a version directory holds.
-    """
+class PolicyTrainer:
+    """The policy (its update strategy's trainable parameters), its optimizer, and the corrected GRPO step."""
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *, seed: int = 0,
-                 trust_remote_code: bool = False, keep_versions: int = 3, deterministic: bool = False) -> None:
-        """keep_versions: log-probs can be recomputed under this many recent versions (>= 1);
-        full mode keeps at most FULL_KEEP_VERSIONS, since each older one is a whole-model copy.
-        deterministic: torch's deterministic algorithms (same batches, same seed: same weights)."""
+                 trust_remote_code: bool = False, keep_versions: int = 3, deterministic: bool = False,
+                 collectives: Collectives | None = None) -> None:
+        """keep_versions: log-probs can be recomputed under this many recent versions (>= 1; full
+        mode keeps at most two). deterministic: torch's deterministic algorithms (same batches,
+        same seed: same weights). collectives: the trainer ranks this is one of (one process when None)."""
         if keep_versions < 1:
             raise ConfigError(f"keep_versions must be >= 1 (the current version), got {keep_versions}")
         self.model_path = str(model_path)
-        self.full = cfg.update == "full"
-        self.keep_versions = min(keep_versions, FULL_KEEP_VERSIONS) if self.full else keep_versions
-        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}  # older versions' trainable weights, on the CPU
+        self.strategy = strategy_of(cfg)
+        self.collectives = collectives or Local(cfg.device)
+        self.keep_versions = self.strategy.versions_kept(keep_versions)
+        self.snapshots = Snapshots(self.keep_versions, sharded=self.collectives.sharded)
         self.cfg = cfg
         self.loss_cfg = loss_cfg
         self.seed = seed
@@ -121,115 +101,64 @@ class LoRATrainer:
         self.skipped_steps = 0
         self.consecutive_skips = 0  # non-finite steps in a row; the orchestrator stops the run at a limit
         self.model: torch.nn.Module | None = None
-        self.reference: torch.nn.Module | None = None  # full mode with loss.kl_coef > 0: the frozen base
-        self._layout: tuple[dict[str, str], bytes] | None = None  # LoRA: saved tensor -> parameter name, config
+        self.reference: torch.nn.Module | None = None  # a separate KL reference (full mode, loss.kl_coef > 0)
         self.optimizer: torch.optim.Optimizer | None = None
         self.pad_id = 0
 
     def setup(self) -> None:
-        """Load the base model; wrap it with a fresh LoRA adapter, or make every weight trainable (blocking)."""
+        """Load the base model and build the policy on it, as the update strategy says (blocking)."""
         from transformers import AutoTokenizer
 
         if self.deterministic:
             # warn_only: an op without a deterministic kernel warns (in the log) rather than stop the run
             torch.use_deterministic_algorithms(True, warn_only=True)
         torch.manual_seed(self.seed)
-        device = self._load_device()
+        # a sharded trainer's ranks load on the CPU: apply_fsdp moves each rank's shards to its device
+        device = "cpu" if self.collectives.sharded else self.cfg.device
         base = load_causal_lm(self.model_path, device, self.cfg.dtype, self.trust_remote_code)
         tok = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=self.trust_remote_code)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        model = self._full_model(base) if self.full else self._lora_model(base)
-        if self.full and self.loss_cfg.kl_coef > 0:  # LoRA's reference is the base with the adapter off: free
+        model = self.strategy.trainable(base)
+        if self.strategy.separate_reference and self.loss_cfg.kl_coef > 0:
             self.reference = load_causal_lm(self.model_path, device, self.cfg.dtype, self.trust_remote_code)
             self.reference.eval().requires_grad_(False)
         model.train()
         self.model = model
-        self._snapshots = {}
-        self._layout = None
-        self._place()
+        self.snapshots.clear()
+        if self.collectives.sharded:
+            self._shard()
         # parameters() yields a tied weight (lm_head = embed_tokens) once, so AdamW steps it once
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=self.cfg.lr, betas=tuple(self.cfg.betas),
                                            weight_decay=self.cfg.weight_decay)
         log.info("trainer_ready", device=self.cfg.device, update=self.cfg.update,
                  trainable_params=sum(p.numel() for p in params),
-                 lora_rank=None if self.full else self.cfg.lora_rank)
+                 lora_rank=None if self.strategy.name == "full" else self.cfg.lora_rank)
 
-    # a sharded trainer's ranks load on the CPU and then shard onto their devices (pipeline.trainer.fsdp)
-    def _load_device(self) -> str:
-        """Where setup loads the model: the trainer's device."""
-        return self.cfg.device
-
-    def _place(self) -> None:
-        """The model (and the KL reference) as built, before the optimizer takes its parameters:
-        already in place here."""
-
-    @staticmethod
-    def _full_model(base: torch.nn.Module) -> torch.nn.Module:
-        """Every weight trains, in the dtype it was loaded in (trainer.dtype)."""
-        for p in base.parameters():
-            p.requires_grad_(True)
-        return base
-
-    def _lora_model(self, base: torch.nn.Module) -> torch.nn.Module:
-        """A fresh peft LoRA adapter on the frozen base; the adapter trains in float32."""
-        from peft import LoraConfig, get_peft_model
-
-        targets = self.cfg.target_modules
-        lcfg = LoraConfig(
-            r=self.cfg.lora_rank, lora_alpha=self.cfg.lora_alpha, lora_dropout=self.cfg.lora_dropout,
-            target_modules="all-linear" if targets == ("all-linear",) else list(targets),
-            bias="none", task_type="CAUSAL_LM",
-        )
-        with building_modules():
-            model = get_peft_model(base, lcfg)
-        for n, p in model.named_parameters():
-            if p.requires_grad:
-                p.data = p.data.float()  # LoRA weights train in float32 whatever the base dtype
-        return model
+    def _shard(self) -> None:
+        """The model (and the KL reference) sharded over the ranks, before the optimizer takes the
+        parameters, so that it holds (and steps) this rank's shard of every one."""
+        c = self.collectives
+        mesh = device_mesh(self.cfg.device, c.world_size)
+        apply_fsdp(self.model, mesh, sum_gradients=True)
+        if self.reference is not None:
+            apply_fsdp(self.reference, mesh)
+        log.info("trainer_rank_ready", rank=c.rank, world_size=c.world_size, device=self.cfg.device,
+                 backend="nccl" if self.cfg.device.startswith("cuda") else "gloo",
+                 shard_params=sum(local(p).numel() for p in self.model.parameters() if p.requires_grad))
 
     # ------------------------------------------------------------------ data
 
-    def _rows(self, groups: Sequence[RolloutGroup], *, all_tokens: bool = False) -> _Rows:
-        """Flatten groups into rows, one per completion with a token to weigh.
-
-        A completion without a sampled token (empty, or environment tokens only) is left out, as
-        nothing in it may carry gradient; with `all_tokens` (recomputing log-probs) only empty
-        ones are.
-        """
-        rewards = [torch.as_tensor(g.rewards, dtype=torch.float32) for g in groups]
-        rows = _Rows()
-        for gi, (g, r) in enumerate(zip(groups, rewards)):
-            a = group_advantages(r[None, :], scale=self.loss_cfg.scale_rewards, std=self.loss_cfg.std)[0]
-            for ci, (c, adv) in enumerate(zip(g.completions, a.tolist())):
-                if len(c.token_ids) == 0 or not (all_tokens or c.mask is None or c.mask.any()):
-                    continue  # nothing was sampled: no token to weigh
-                rows.prompts.append(list(g.prompt.token_ids))
-                rows.comps.append(c.token_ids.tolist())
-                rows.behaviour.append(c.logprobs)
-                rows.sampled.append(c.mask)
-                rows.advantages.append(adv)
-                rows.owner.append((gi, ci))
-        return rows
+    def _rows(self, groups: Sequence[RolloutGroup], *, all_tokens: bool = False) -> Rows:
+        return rows_of(groups, self.loss_cfg, all_tokens=all_tokens)
 
     def _micro_batches(self, rows: Sequence[int]) -> list[list[int]]:
-        """`rows` (indices into a _Rows) in forward/backward passes of micro_batch_sequences each."""
-        m = self.cfg.micro_batch_sequences
-        return [list(rows[i:i + m]) for i in range(0, len(rows), m)]
+        return micro_batches(rows, self.cfg.micro_batch_sequences)
 
-    def _passes(self, part: list[int]) -> list[list[int]]:
-        """The forward/backward passes of one optimizer step's rows that this trainer computes: all
-        of them here; a rank of a sharded trainer takes its share (pipeline.trainer.fsdp)."""
-        return self._micro_batches(part)
+    def _minibatches(self, n: int, step: int, epoch: int) -> list[list[int]]:
+        return minibatches(n, self.cfg.minibatches, self.seed, step, epoch)
 
-    def _before_pass(self, last: bool) -> None:
-        """Before each forward/backward of an optimizer step (a sharded trainer reduces gradients
-        over its ranks after the last only)."""
-
-    def _empty_pass(self, rows: _Rows, part: list[int]) -> None:
-        raise AssertionError("only a sharded trainer has passes without rows")
-
-    def _forward(self, rows: _Rows, idx: Sequence[int], *, entropy: bool = False,
+    def _forward(self, rows: Rows, idx: Sequence[int], *, entropy: bool = False,
                  model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log-probs of the rows `idx` under the current weights (or `model`), over every token
         (environment tokens are context): ([n, L] log-probs, [n, L] mask of the sampled
@@ -241,46 +170,18 @@ class LoRATrainer:
         return lp, cmask.to(dev), ent
 
     @torch.no_grad()
-    def _fixed_logprobs(self, rows: _Rows, reference: bool) -> list[torch.Tensor]:
+    def _fixed_logprobs(self, rows: Rows, reference: bool) -> list[torch.Tensor]:
         """Per row, the log-probs [prompt + completion] under the weights at the start of the step
         (the proximal policy) or, with `reference`, under the reference policy: computed once, no grad."""
         out: list[torch.Tensor] = []
         with contextlib.ExitStack() as stack:
             model = self.model
-            if reference and self.reference is not None:
-                model = self.reference
-            elif reference:
-                stack.enter_context(self.model.disable_adapter())  # peft: the base model, adapter off
+            if reference:
+                model = stack.enter_context(self.strategy.reference(self.model, self.reference))
             for idx in self._micro_batches(range(len(rows.comps))):
                 lp, _, _ = self._forward(rows, idx, model=model)
                 out.extend(lp[i, :len(rows.prompts[r]) + len(rows.comps[r])].detach() for i, r in enumerate(idx))
         return out
-
-    @staticmethod
-    def _padded(values: list[torch.Tensor], idx: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-        """values[r] for r in idx, right-padded with 0 into the [n, L] layout of `like`."""
-        out = torch.zeros_like(like)
-        for i, r in enumerate(idx):
-            out[i, :len(values[r])] = values[r].to(out.device)
-        return out
-
-    def _behaviour(self, rows: _Rows, idx: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-        """The engine's log-probs of rows `idx` where it sampled, in the [n, L] layout of `like`;
-        its 0 on environment tokens lies outside the completion mask."""
-        beh = torch.zeros_like(like)
-        for i, r in enumerate(idx):
-            start = len(rows.prompts[r])
-            beh[i, start:start + len(rows.behaviour[r])] = torch.as_tensor(rows.behaviour[r], device=like.device)
-        return beh
-
-    def _minibatches(self, n: int, step: int, epoch: int) -> list[list[int]]:
-        """The rows of one epoch in trainer.minibatches parts; shuffled per (seed, step, epoch) when
-        there is more than one part, so every epoch splits the batch differently but repeatably."""
-        parts = min(self.cfg.minibatches, n) or 1
-        order = list(range(n))
-        if parts > 1:
-            order = np.random.default_rng([self.seed, step, epoch]).permutation(n).tolist()
-        return [order[i * n // parts:(i + 1) * n // parts] for i in range(parts)]
 
     # ------------------------------------------------------------------ step
 
@@ -332,7 +233,7 @@ class LoRATrainer:
             if skipped:
                 break
         self.optimizer.zero_grad(set_to_none=True)
-        self._pool_stats(acc, weights)
+        acc, weights = _pooled(self.collectives.gather((acc, weights)))
         if skipped:
             self.skipped_steps += 1
             self.consecutive_skips += 1
@@ -341,8 +242,7 @@ class LoRATrainer:
         else:
             self.consecutive_skips = 0
         self.version += 1
-        for v in [v for v in self._snapshots if v <= self.version - self.keep_versions]:
-            del self._snapshots[v]
+        self.snapshots.prune(self.version)
         rewards = np.concatenate([g.rewards for g in batch.groups]) if batch.groups else np.zeros(0)
         ratio_max = acc.pop("ratio_max", 0.0)
         metrics.update({f"train/{k}": v for k, v in acc.items()})
@@ -354,7 +254,10 @@ class LoRATrainer:
             "train/sequences": float(n), "train/lr": self.cfg.lr,
             "train/reward_mean": float(rewards.mean()) if rewards.size else float("nan"),
         })
-        return TrainStats(step=batch.step, version=self.version, metrics=metrics, t_start=t0, t_end=time.monotonic())
+        stats = TrainStats(step=batch.step, version=self.version, metrics=metrics, t_start=t0, t_end=time.monotonic())
+        if self.collectives.sharded:  # the slowest rank's step, which every rank waited for
+            stats.metrics["train/rank_step_max_s"] = self.collectives.max([time.monotonic() - t0])[0]
+        return stats
 
     def loss_gradients(self, batch: Batch) -> tuple[float, dict[str, torch.Tensor]]:
         """The loss of `batch` and its gradient for every trainable parameter, as the step's first
@@ -370,10 +273,6 @@ class LoRATrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grads
 
-    def _pool_stats(self, acc: dict[str, float], weights: list[float]) -> None:
-        """The step's statistics and importance-weight sums over every row: here they already are;
-        the ranks of a sharded trainer add theirs up (in place)."""
-
     def _clip_gradients(self) -> float:
         """The gradient norm, before clipping it to trainer.grad_clip (when on)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -381,31 +280,34 @@ class LoRATrainer:
             norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        # sharded parameters (FSDP2) give a DTensor norm, already reduced over the ranks
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return value(norm)
 
-    def _backward(self, rows: _Rows, part: list[int], advs: torch.Tensor, prox: list[torch.Tensor] | None,
+    def _backward(self, rows: Rows, part: list[int], advs: torch.Tensor, prox: list[torch.Tensor] | None,
                   ref: list[torch.Tensor] | None, acc: dict[str, float], weights: list[float] | None, *,
                   entropy: bool, share: float) -> float:
-        """Forward and backward over the rows `part` (one optimizer step's), in micro-batches whose
-        losses are weighed so their sum is the loss of the whole part; returns that loss, the
-        gradients left in place. Statistics go into `acc` (each optimizer step's weighed by `share`
-        of the step), the importance-weight sums into `weights` when given."""
+        """Forward and backward over the rows `part` (one optimizer step's; this rank's share of
+        them), in micro-batches whose losses are weighed so their sum over the ranks is the loss of
+        the whole part; returns that loss, the same on every rank (so all take the same decision on
+        a non-finite one), the gradients left in place. Statistics go into `acc` (each optimizer
+        step's weighed by `share` of the step), the importance-weight sums into `weights` when given."""
         part_tokens = rows.sampled_tokens(part)  # what token_mean averages over: sampled tokens only
         all_tokens = rows.sampled_tokens() if entropy else 0  # the entropy's mean is over the whole batch
         loss_total = 0.0
-        passes = self._passes(part)
+        c = self.collectives
+        passes = rank_passes(part, self.cfg.micro_batch_sequences, c.rank, c.world_size)
         for i, idx in enumerate(passes):
-            self._before_pass(last=i == len(passes) - 1)
-            if not idx:  # a sharded trainer's rank with no rows left: a pass that weighs nothing
-                self._empty_pass(rows, part)
+            if c.sharded and not self.strategy.reduce_every_pass:
+                self.model.set_requires_gradient_sync(i == len(passes) - 1)
+            if not idx:  # this rank's share is used up: a pass that weighs nothing, to meet the others' collectives
+                lp, _, _ = self._forward(rows, part[:1])
+                (lp.sum() * 0.0).backward()
                 continue
             lp, cmask, ent = self._forward(rows, idx, entropy=entropy)
-            beh = self._behaviour(rows, idx, lp)
+            beh = behaviour_logprobs(rows, idx, lp)
             loss, stats = policy_loss(
                 lp, beh, advs[idx].to(lp.device), cmask, self.loss_cfg,
-                proximal_logprobs=None if prox is None else self._padded(prox, idx, lp),
-                reference_logprobs=None if ref is None else self._padded(ref, idx, lp),
+                proximal_logprobs=None if prox is None else padded_rows(prox, idx, lp),
+                reference_logprobs=None if ref is None else padded_rows(ref, idx, lp),
                 norm_tokens=self.loss_cfg.norm_tokens)
             tokens = float(cmask.sum())
             # token_mean: this micro-batch's share of the part's tokens; per sequence: of its sequences
@@ -428,47 +330,20 @@ class LoRATrainer:
                         acc[k] = acc.get(k, 0.0) + v
                 else:
                     acc[k] = acc.get(k, 0.0) + v * share * tokens / max(1, part_tokens)
-        return loss_total
+        return c.sum([loss_total])[0]
 
-    # ------------------------------------------------------------------ other services
+    # ------------------------------------------------------------------ versions
 
     def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return trainable_parameters(self.model)
 
     def _keep_current_version(self) -> None:
-        """Copy the current version's trainable weights to the CPU before a step changes them, so
-        log-probs can be recomputed under it later (skipped when only the current version is kept)."""
-        if self.keep_versions > 1:
-            self._snapshots[self.version] = {n: self._state_view(p).detach().to("cpu", copy=True)
-                                             for n, p in self._trainable()}
+        """Copy the current version's trainable weights to the CPU before a step changes them."""
+        self.snapshots.take(self.version, self._trainable())
 
     def kept_versions(self) -> list[int]:
         """The versions `recompute_logprobs` can use: the older ones kept, and the current one."""
-        return sorted({*self._snapshots, self.version})
-
-    @contextlib.contextmanager
-    def _weights_of(self, version: int) -> Iterator[None]:
-        """Run the model with an older version's weights, then put the current ones back exactly.
-
-        Swaps each parameter's storage rather than copying into it: the current weights stay
-        where they are (no copy out and back), and a tied weight is one Parameter, swapped once.
-        On a GPU the older version takes one more copy of the trainable weights while it runs
-        (in full mode, one more model; the gradients, already freed, took that much in the step).
-        """
-        if version == self.version:
-            yield
-            return
-        current: dict[str, torch.Tensor] = {}
-        trainable = self._trainable()
-        try:
-            for n, p in trainable:
-                current[n] = p.data
-                p.data = self._snapshots[version][n].to(p.device)
-            yield
-        finally:
-            for n, p in trainable:
-                if n in current:
-                    p.data = current[n]
+        return self.snapshots.versions(self.version)
 
     @torch.no_grad()
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
@@ -494,7 +369,7 @@ class LoRATrainer:
             for version in sorted({g.version for g in groups}):
                 idx = [i for i, g in enumerate(groups) if g.version == version]
                 rows = self._rows([groups[i] for i in idx], all_tokens=True)
-                with self._weights_of(version):
+                with self.snapshots.weights_of(version, self.version, self._trainable()):
                     for part in self._micro_batches(range(len(rows.comps))):
                         lp, _, _ = self._forward(rows, part)
                         for i, r in enumerate(part):
@@ -505,123 +380,79 @@ class LoRATrainer:
         return out
 
     def save_adapter(self, directory: Path) -> None:
-        """Write the current version into the existing `directory` (blocking).
-
-        LoRA: adapter_config.json + adapter_model.safetensors. Full: the whole model as
-        `from_pretrained` and vLLM read it: config.json, generation_config.json (when the base has
-        one) and model.safetensors (or shards plus model.safetensors.index.json), weights in the
-        trainer's dtype under the base model's tensor names, a tied lm_head left out as HF does.
-        No tokenizer: engines keep the base model's.
-        """
+        """Write the current version into the existing `directory` (blocking), as the update
+        strategy publishes it (pipeline.trainer.update); of trainer ranks, rank 0 writes."""
         assert self.model is not None, "call setup() first"
-        if self.full:
-            # transformers >= 5 writes only safetensors (it has no safe_serialization switch left);
-            # no "Writing model shards" bar in the run's log for every version
-            with quiet_progress():
-                self.model.save_pretrained(str(directory))
-            return
-        # peft's save_pretrained writes these two files and a README model card, which alone cost
-        # ~16 ms of its ~23 on the tiny model: at 50-100 ms a step, a fifth of it. The same bytes
-        # here: the adapter's tensors under peft's saved names, the config peft would write.
-        from safetensors.torch import save_file
-
-        names, config = self._lora_layout()
-        params = dict(self._trainable())
-        tensors = {key: self._whole(params[name]) for key, name in names.items()}
-        if self._writes_versions:
-            save_file(tensors, str(Path(directory) / "adapter_model.safetensors"), metadata={"format": "pt"})
-            (Path(directory) / "adapter_config.json").write_bytes(config)
-
-    _writes_versions = True  # a sharded trainer's ranks other than 0 gather the version and write nothing
-
-    def _whole(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """A parameter's whole value (a sharded trainer gathers it from every rank)."""
-        return p.detach().contiguous()
-
-    def _lora_layout(self) -> tuple[dict[str, str], bytes]:
-        """Once per setup: each saved tensor name with the name of the parameter it holds, and the
-        bytes of adapter_config.json, both as peft's save_pretrained makes them (the config never changes)."""
-        if self._layout is None:
-            import tempfile
-
-            from peft import get_peft_model_state_dict
-
-            by_storage = {p.data_ptr(): n for n, p in self._trainable()}
-            saved = get_peft_model_state_dict(self.model, adapter_name="default")
-            missing = [k for k, t in saved.items() if t.data_ptr() not in by_storage]
-            if missing:  # a tensor peft saves that is no trainable parameter: not a layout this code knows
-                raise TrainerError(f"the LoRA adapter saves tensors that are not its parameters: {missing[:3]}")
-            cfg = self.model.peft_config["default"]
-            inference_mode, cfg.inference_mode = cfg.inference_mode, True  # as save_pretrained writes it
-            if cfg.base_model_name_or_path is None:
-                cfg.base_model_name_or_path = self.model.base_model.model.__dict__.get("name_or_path") or None
-            try:
-                with tempfile.TemporaryDirectory() as tmp:
-                    cfg.save_pretrained(tmp)
-                    config = (Path(tmp) / "adapter_config.json").read_bytes()
-            finally:
-                cfg.inference_mode = inference_mode
-            self._layout = ({k: by_storage[t.data_ptr()] for k, t in saved.items()}, config)
-        return self._layout
+        self.strategy.publish(self.model, Path(directory), self.collectives)
 
     # ------------------------------------------------------------------ state (checkpoint and resume)
 
     def save_state(self, directory: Path) -> None:
         """Write everything the next step depends on into the existing `directory` (blocking, fsynced):
-        the files pipeline.trainer.state describes."""
+        the files pipeline.trainer.state describes (trainer ranks: each rank its directory, then
+        rank 0 ranks.json once every rank has written)."""
         assert self.model is not None and self.optimizer is not None, "call setup() first"
+        c = self.collectives
+        here = self._state_dir(Path(directory))
+        if c.sharded:
+            here.mkdir(exist_ok=True)
         trainable = self._trainable()
-        moments = {n: {k: self._state_view(v) for k, v in self.optimizer.state.get(p, {}).items()}
-                   for n, p in trainable}
-        write_state(Path(directory), self.cfg, [(n, self._state_view(p)) for n, p in trainable], moments,
-                    Counters(self.version, self.skipped_steps, self.consecutive_skips), extra=self._state_extra())
-        log.debug("trainer_state_saved", path=str(directory), version=self.version, update=self.cfg.update)
+        moments = {n: {k: local(v) for k, v in self.optimizer.state.get(p, {}).items()} for n, p in trainable}
+        extra = {"rank": c.rank, "world_size": c.world_size} if c.sharded else {}
+        write_state(here, self.cfg, [(n, local(p)) for n, p in trainable], moments,
+                    Counters(self.version, self.skipped_steps, self.consecutive_skips), extra=extra)
+        log.debug("trainer_state_saved", path=str(here), version=self.version, update=self.cfg.update)
+        if c.sharded:
+            c.barrier()
+            if c.rank == 0:
+                write_ranks_file(Path(directory), c.devices)
 
     def load_state(self, directory: Path) -> None:
         """Restore a state written by `save_state` (after `setup()`; blocking).
 
         Everything is checked before anything changes (pipeline.trainer.state.read_state): a state
-        that does not fit this trainer raises TrainerError naming the file or parameter.
+        that does not fit this trainer raises TrainerError naming the file or parameter; of trainer
+        ranks, every rank checks its own first and none loads unless all accept.
         Afterwards only the restored version can be recomputed (the older copies are gone).
         """
-        self._apply_state(self._read_state(Path(directory)), Path(directory))
-
-    # a sharded trainer's ranks save, load and keep their own shards of each tensor (pipeline.trainer.fsdp)
-    def _state_view(self, t: torch.Tensor) -> torch.Tensor:
-        """What the state (and a kept older version) holds of a parameter or moment: here all of it."""
-        return t
-
-    def _as_moment(self, p: torch.nn.Parameter, t: torch.Tensor) -> torch.Tensor:
-        """A saved AdamW moment as the optimizer keeps it for `p`."""
-        return t
-
-    def _state_extra(self) -> dict[str, Any]:
-        """Fields of trainer.json beyond pipeline.trainer.state's own."""
-        return {}
-
-    def _read_state(self, directory: Path) -> Any:
-        """The state in `directory`, checked against this trainer (TrainerError when it does not fit)."""
         assert self.model is not None and self.optimizer is not None, "call setup() first"
-        ranks = directory / "ranks.json"  # pipeline.trainer.fsdp's: one directory per rank
-        if ranks.is_file() and not (directory / "trainer.json").exists():
+        directory = Path(directory)
+        c = self.collectives
+        if not c.sharded:
+            refuse_ranks_state(directory)
+            saved = self._read_state(directory)
+        else:
+            error = None
             try:
-                n = json.loads(ranks.read_bytes()).get("world_size")
-            except (OSError, ValueError, AttributeError):
-                n = "several"
-            raise TrainerError(f"{directory} was written by {n} trainer ranks (trainer.devices); this trainer is one "
-                               "process: a sharded state resumes onto the same number of ranks")
-        return read_state(directory, self.cfg, {n: self._state_view(p) for n, p in self._trainable()})
+                check_ranks_file(directory, c.world_size)
+                saved = self._read_state(self._state_dir(directory))
+            except TrainerError as e:
+                error = str(e)
+            refused = [(r, e) for r, e in enumerate(c.gather(error)) if e is not None]
+            if refused:
+                rank, why = refused[0]
+                raise TrainerError(f"trainer rank {rank} ({c.devices[rank]}) refused the state, so no rank "
+                                   f"loaded it: {why}")
+        self._apply_state(saved, self._state_dir(directory))
 
-    def _apply_state(self, saved: Any, directory: Path) -> None:
+    def _state_dir(self, directory: Path) -> Path:
+        """Where this trainer's part of a state in `directory` is: all of it, or this rank's directory."""
+        return rank_dir(directory, self.collectives.rank) if self.collectives.sharded else directory
+
+    def _read_state(self, directory: Path) -> SavedState:
+        """The state in `directory`, checked against this trainer (TrainerError when it does not fit)."""
+        return read_state(directory, self.cfg, {n: local(p) for n, p in self._trainable()})
+
+    def _apply_state(self, saved: SavedState, directory: Path) -> None:
         """Put a state read by `_read_state` in place: weights, AdamW moments, RNG, counters."""
         trainable = dict(self._trainable())
         with torch.no_grad():
             for n, p in trainable.items():
-                view = self._state_view(p)
+                view = local(p)
                 view.copy_(saved.weights[n].to(view.device))
         index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
         sd = self.optimizer.state_dict()
-        sd["state"] = {index[id(trainable[n])]: {k: v if k == "step" else self._as_moment(trainable[n], v)
+        sd["state"] = {index[id(trainable[n])]: {k: v if k == "step" else like_parameter(trainable[n], v)
                                                  for k, v in st.items()}
                        for n, st in saved.optimizer.items()}
         self.optimizer.load_state_dict(sd)  # places each moment on its parameter's device
@@ -636,61 +467,20 @@ class LoRATrainer:
         self.version = saved.counters.version
         self.skipped_steps = saved.counters.skipped_steps
         self.consecutive_skips = saved.counters.consecutive_skips
-        self._snapshots = {}
+        self.snapshots.clear()
         log.info("trainer_state_loaded", path=str(directory), version=self.version, update=self.cfg.update)
 
     def close(self) -> None:
         """Nothing to release beyond memory (the process-based trainer stops its child here)."""
 
 
-class SimulatedTrainer:
-    """A trainer that only waits `step_s` per step: for benchmarks of the orchestration itself.
-
-    update: "lora" writes a minimal adapter directory, "full" a minimal model directory, so the
-    adapter store and engines of either kind exercise their real publish and load paths.
-    """
-
-    def __init__(self, step_s: float = 0.0, update: str = "lora") -> None:
-        if update not in UPDATE_MODES:
-            raise ConfigError(f"trainer.update must be one of {', '.join(UPDATE_MODES)}, got {update!r}")
-        self.step_s = step_s
-        self.update = update
-        self.version = 0
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
-
-    def setup(self) -> None:
-        return None
-
-    def step(self, batch: Batch) -> TrainStats:
-        t0 = time.monotonic()
-        if self.step_s > 0:
-            time.sleep(self.step_s)
-        self.version += 1
-        rewards = np.concatenate([g.rewards for g in batch.groups]) if batch.groups else np.zeros(0)
-        return TrainStats(step=batch.step, version=self.version,
-                          metrics={"train/reward_mean": float(rewards.mean()) if rewards.size else float("nan")},
-                          t_start=t0, t_end=time.monotonic())
-
-    def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
-        return [[c.logprobs for c in g.completions] for g in groups]
-
-    def close(self) -> None:
-        return None
-
-    def save_adapter(self, directory: Path) -> None:
-        """A minimal valid version directory (adapter_config.json + adapter_model.safetensors, or
-        config.json + model.safetensors), so the store and engines exercise the real path."""
-        from safetensors.numpy import save_file
-
-        weights, config = ("model.safetensors", "config.json") if self.update == "full" else \
-            ("adapter_model.safetensors", "adapter_config.json")
-        save_file({"version": np.array([self.version], dtype=np.int64)}, str(Path(directory) / weights))
-        (Path(directory) / config).write_text(json.dumps({"simulated": True, "version": self.version}))
-
-    def save_state(self, directory: Path) -> None:
-        """trainer.json with the version (and step_s), fsynced: all the state this trainer has."""
-        write_simulated_state(Path(directory), self.update, self.version, self.step_s)
-
-    def load_state(self, directory: Path) -> None:
-        self.version = read_simulated_state(Path(directory), self.update)
+def _pooled(every: list[tuple[dict[str, float], list[float]]]) -> tuple[dict[str, float], list[float]]:
+    """The step's statistics and importance-weight sums over every rank's rows, from each rank's
+    (`every`, rank order): sums, but ratio_max a maximum. One rank's are returned as they are."""
+    (acc, weights), rest = every[0], every[1:]
+    acc, weights = dict(acc), list(weights)
+    for rank_acc, rank_weights in rest:
+        for k, v in rank_acc.items():
+            acc[k] = max(acc.get(k, v), v) if k == "ratio_max" else acc.get(k, 0.0) + v
+        weights = [w + rw for w, rw in zip(weights, rank_weights)]
+    return acc, weights

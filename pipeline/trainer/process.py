@@ -1,4 +1,4 @@
-"""The trainer in its own process: the same interface as LoRATrainer, none of its GIL time.
+"""The trainer in its own process: the same interface as PolicyTrainer, none of its GIL time.
 
 A training step in a thread of the orchestrator's process holds the GIL for much of its
 Python work (module calls, kernel launches), which delays the event loop and, with it, the
@@ -21,7 +21,7 @@ Invariants:
   handlers as pipeline.trainer.log_shipping says. The child logs at the level the parent's `pipeline`
   loggers had at setup (info, or debug), warnings and up when logging was never configured.
   The parent reads every event that reached the pipe before it reports the child's death; on a
-  stop or a failed start the child waits (up to _FLUSH_S) for its buffer to drain first.
+  stop or a failed start the child waits (up to FLUSH_S) for its buffer to drain first.
 - The child ignores SIGINT: a Ctrl-C reaches the whole process group, and the orchestrator,
   not the signal, decides when the trainer stops (it finishes the step and checkpoints first).
   It exits at once when its parent dies, whatever it was doing.
@@ -30,6 +30,8 @@ Invariants:
   is a step and the save of the version it made in one round trip (the pipeline's publish).
 - `version`, `skipped_steps` and `consecutive_skips` mirror the child's after every call that
   changes them (setup, step, step_and_save, load_state).
+- With a `channel`, the child reads and answers its requests through `channel(pipe, trainer)`
+  instead of the pipe itself (rank 0 of trainer ranks relays each to the others: pipeline.trainer.ranks).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from pipeline.types import Batch, RolloutGroup, TrainStats
 
 
 _MIRRORED = ("setup", "step", "step_and_save", "load_state")  # calls that answer with the trainer's counters too
-_FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
+FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
 
 
 @contextlib.contextmanager
@@ -84,13 +86,13 @@ def _exit_with(parent_sentinel: int) -> None:
     os._exit(1)
 
 
-def _child_start(events: Connection, floor: int, priority: tuple[int, bool]) -> Any:
+def child_start(events: Connection, floor: int, priority: tuple[int, bool]) -> Any:
     """What every trainer process does first; returns the shipper of its events to the parent."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process stops
     # Lower priority than the orchestrator: on a machine short of cores (2 on a laptop or CI),
-    # a step that competed as an equal delayed the event loop by a scheduler slice (5-6 ms).
+    # a step that competed as an equal delayed the event loop by a scheduler slice.
     # Every thread has it: those imports started and those started later (torch's included).
     lower_process_priority(priority[0], idle=priority[1])
     threading.Thread(target=_exit_with, args=(mp.parent_process().sentinel,), name="trainer-parent-watch",
@@ -99,7 +101,8 @@ def _child_start(events: Connection, floor: int, priority: tuple[int, bool]) -> 
     return log_to_parent(events, floor)
 
 
-def _set_threads(cfg: TrainerConfig) -> None:
+def set_threads(cfg: TrainerConfig) -> None:
+    """The child's torch thread count, when a CPU trainer was given one."""
     if cfg.device == "cpu" and cfg.threads:
         import torch
 
@@ -107,29 +110,30 @@ def _set_threads(cfg: TrainerConfig) -> None:
         structlog.get_logger(__name__).info("trainer_threads", threads=cfg.threads)
 
 
-def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None,
+def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type | None, channel: Any,
            start: tuple[tuple, dict] | None, priority: tuple[int, bool]) -> None:
     """The child's loop: build the trainer, then answer (method, args) requests until told to stop.
 
     start: the trainer's (args, kwargs); None for a process started early (`TrainerProcess`),
-    which imports the trainer's libraries first and then waits for them in an "init" message."""
-    shipper = _child_start(events, floor, priority)
+    which imports the trainer's libraries first and then waits for them in an "init" message.
+    channel: None, or what the requests are read and answered through, made of the pipe and the trainer."""
+    shipper = child_start(events, floor, priority)
     try:
         if trainer_cls is None:
-            from pipeline.trainer.policy import LoRATrainer as trainer_cls  # torch, transformers, peft: seconds
+            from pipeline.trainer.policy import PolicyTrainer as trainer_cls  # torch, transformers, peft: seconds
         if start is None:
             try:
                 _, start = conn.recv()  # ("init", (args, kwargs)), once the model exists
             except EOFError:  # never used: the run ended before its trainer was built
                 return
         args, kwargs = start
-        _set_threads(args[1])
+        set_threads(args[1])
         trainer = trainer_cls(*args, **kwargs)
-        if hasattr(trainer, "channel"):  # rank 0 of trainer ranks: every request goes to every rank
-            conn = trainer.channel(conn)
+        if channel is not None:
+            conn = channel(conn, trainer)
     except BaseException:
         structlog.get_logger(__name__).exception("trainer_process_failed", stage="start")
-        shipper.flush(_FLUSH_S)
+        shipper.flush(FLUSH_S)
         raise
     while True:
         try:
@@ -137,11 +141,11 @@ def _serve(conn: Connection, events: Connection, floor: int, trainer_cls: type |
         except EOFError:  # the parent is gone: nothing left to serve
             return
         if method == "stop":
-            shipper.flush(_FLUSH_S)
+            shipper.flush(FLUSH_S)
             conn.send(("ok", None))
             conn.close()
             # its events are flushed and its files written: nothing is left that the interpreter's
-            # teardown would keep, and with torch loaded that teardown takes 0.5-1 s of every run's end
+            # teardown would keep, and with torch loaded that teardown is slow, at every run's end
             os._exit(0)
         try:
             result = run_call(trainer, method, margs)
@@ -157,23 +161,6 @@ def run_call(trainer: Any, method: str, margs: Sequence[Any]) -> Any:
     """One request: the process's own calls (`_CHILD_CALLS`), else the trainer's method."""
     own = _CHILD_CALLS.get(method)
     return own(trainer, *margs) if own is not None else getattr(trainer, method)(*margs)
-
-
-def _follow(events: Connection, floor: int, spec: Any, threads_cfg: TrainerConfig, priority: tuple[int, bool]) -> None:
-    """A trainer rank other than 0 (pipeline.trainer.fsdp): it serves rank 0's requests, not a pipe."""
-    shipper = _child_start(events, floor, priority)
-    shipper.tags["process"] = f"trainer-rank-{spec.rank}"  # rank 0 is "trainer", as a one-device trainer
-    code = 0
-    try:
-        _set_threads(threads_cfg)
-        from pipeline.trainer.fsdp import serve_follower
-
-        serve_follower(spec)
-    except BaseException:
-        structlog.get_logger(__name__).exception("trainer_rank_failed", rank=spec.rank)
-        code = 1
-    shipper.flush(_FLUSH_S)
-    os._exit(code)  # as a stopped trainer process: nothing left for the interpreter's teardown
 
 
 def _step_and_save(trainer: Any, batch: Batch, directory: Path) -> tuple[TrainStats, float]:
@@ -193,30 +180,27 @@ def _torch_threads(trainer: Any) -> int:
 _CHILD_CALLS = {"step_and_save": _step_and_save, "torch_threads": _torch_threads}  # the process's, not the trainer's
 
 
-def _priority(cfg: TrainerConfig) -> tuple[int, bool]:
+def priority_of(cfg: TrainerConfig) -> tuple[int, bool]:
+    """A trainer process's (nice value, SCHED_IDLE): idle scheduling only for a CPU trainer."""
     return cfg.nice, cfg.sched_idle and cfg.device == "cpu"
 
 
-def _spawn(trainer_cls: type | None, start: tuple[tuple, dict] | None,
+def _spawn(trainer_cls: type | None, channel: Any, start: tuple[tuple, dict] | None,
            priority: tuple[int, bool]) -> tuple[Any, Connection, threading.Thread]:
     """Start a trainer process: (process, its request pipe, the thread forwarding its events)."""
     if trainer_cls is not None and trainer_cls.__module__ == "__main__":
         raise TrainerError(f"trainer_cls {trainer_cls.__qualname__} is defined in the script being run "
                            "(__main__), which the trainer's process does not import; define it in a module")
     conn, child = mp.get_context("spawn").Pipe()
-    proc, reader = _start_child(_serve, lambda events, floor: (child, events, floor, trainer_cls, start, priority),
-                                "pipeline-trainer")
+    proc, reader = start_child(_serve, lambda events, floor: (child, events, floor, trainer_cls, channel, start,
+                                                              priority), "pipeline-trainer")
     child.close()
     return proc, conn, reader
 
 
-def spawn_follower(spec: Any, cfg: TrainerConfig) -> tuple[Any, threading.Thread]:
-    """Start trainer rank `spec.rank` (> 0) of a sharded trainer: (process, the thread forwarding its events)."""
-    return _start_child(_follow, lambda events, floor: (events, floor, spec, cfg, _priority(cfg)),
-                        f"pipeline-trainer-rank-{spec.rank}")
-
-
-def _start_child(target: Any, args: Any, name: str) -> tuple[Any, threading.Thread]:
+def start_child(target: Any, args: Any, name: str) -> tuple[Any, threading.Thread]:
+    """Start `target(*args(events, floor))` in a spawned daemon process named `name`, its events
+    forwarded to this process's logging: (process, the thread forwarding them)."""
     ctx = mp.get_context("spawn")
     events, child_events = ctx.Pipe(duplex=False)
     floor = max(logging.getLogger("pipeline").getEffectiveLevel(), logging.DEBUG)
@@ -232,13 +216,15 @@ def _start_child(target: Any, args: Any, name: str) -> tuple[Any, threading.Thre
 
 class TrainerProcess:
     """A trainer process started before the model it will train exists: it imports torch,
-    transformers and peft (2-3 s on a CPU) while the pipeline builds or loads the model.
+    transformers and peft, which takes seconds, while the pipeline builds or loads the model.
     A ProcessTrainer given it (`process=`) takes it over at setup; `close()` ends one never used."""
 
-    def __init__(self, cfg: TrainerConfig, trainer_cls: type | None = None) -> None:
+    def __init__(self, cfg: TrainerConfig, trainer_cls: type | None = None, channel: Any = None) -> None:
         self.trainer_cls = trainer_cls
-        self.priority = _priority(cfg)
-        self.parts: tuple[Any, Connection, threading.Thread] | None = _spawn(trainer_cls, None, self.priority)
+        self.channel = channel
+        self.priority = priority_of(cfg)
+        self.parts: tuple[Any, Connection, threading.Thread] | None = _spawn(trainer_cls, channel, None,
+                                                                             self.priority)
 
     def take(self) -> tuple[Any, Connection, threading.Thread]:
         """The process, its pipe and its event reader, now the caller's (once)."""
@@ -257,27 +243,30 @@ class TrainerProcess:
         if proc.is_alive():
             proc.kill()
             proc.join(5)
-        reader.join(_FLUSH_S)
+        reader.join(FLUSH_S)
 
 
 class ProcessTrainer:
-    """A LoRATrainer running in a child process (`trainer.separate_process = true`).
+    """A PolicyTrainer running in a child process (`trainer.separate_process = true`).
 
-    `trainer_cls` is the class built in the child (LoRATrainer when None); it is sent by name, so it
+    `trainer_cls` is the class built in the child (PolicyTrainer when None); it is sent by name, so it
     must be importable, and it is built as `trainer_cls(model_path, cfg, loss_cfg, **kwargs)`.
+    `channel`, when given, is sent by name too (see the module's invariants).
     """
 
     def __init__(self, model_path: str | Path, cfg: TrainerConfig, loss_cfg: LossConfig, *, seed: int = 0,
                  trust_remote_code: bool = False, keep_versions: int = 3, deterministic: bool = False,
-                 start_timeout_s: float = 600.0, trainer_cls: type | None = None,
+                 start_timeout_s: float = 600.0, trainer_cls: type | None = None, channel: Any = None,
                  process: TrainerProcess | None = None) -> None:
-        if process is not None and (process.trainer_cls is not trainer_cls or process.priority != _priority(cfg)):
+        if process is not None and (process.trainer_cls is not trainer_cls or process.channel is not channel
+                                    or process.priority != priority_of(cfg)):
             raise TrainerError("the trainer process given was started for another trainer class or priority")
         self._process = process  # started early (TrainerProcess): taken over at setup
         self._args = (str(model_path), cfg, loss_cfg)
         self._kwargs = {"seed": seed, "trust_remote_code": trust_remote_code, "keep_versions": keep_versions,
                         "deterministic": deterministic}
         self._trainer_cls = trainer_cls
+        self._channel = channel
         self.start_timeout_s = start_timeout_s
         self.step_timeout_s = cfg.step_timeout_s
         self.version = 0
@@ -300,7 +289,7 @@ class ProcessTrainer:
             if self._proc.is_alive():
                 return
         if self._reader is not None:
-            self._reader.join(_FLUSH_S)  # the child is gone: the reader only drains what is left
+            self._reader.join(FLUSH_S)  # the child is gone: the reader only drains what is left
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -352,8 +341,8 @@ class ProcessTrainer:
             except OSError:  # it died while importing: the setup call below says so
                 pass
         else:
-            self._proc, self._conn, self._reader = _spawn(self._trainer_cls, (self._args, self._kwargs),
-                                                          _priority(self._args[1]))
+            self._proc, self._conn, self._reader = _spawn(self._trainer_cls, self._channel, (self._args, self._kwargs),
+                                                          priority_of(self._args[1]))
         _, self.version, self.skipped_steps, self.consecutive_skips = self._call("setup")
 
     def step(self, batch: Batch) -> TrainStats:
@@ -393,7 +382,7 @@ class ProcessTrainer:
             # killing the child ends that call at once (the calling thread reaps it: two threads
             # waiting on one pid can leave the loser believing it alive), then its pipe is ours to close
             self._proc.kill()
-            locked = self._lock.acquire(timeout=_FLUSH_S)
+            locked = self._lock.acquire(timeout=FLUSH_S)
         try:
             if idle and self._proc.is_alive() and self._conn is not None:
                 try:

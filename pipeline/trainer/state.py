@@ -9,6 +9,9 @@ A state directory holds three tensor files (`state_files(update)`) and `trainer.
 - trainer.json: format, update mode, version, counters, lr, lora_rank (LoRA), dtype, device,
   parameter shapes and each tensor file's sha256.
 The simulated trainer's state is trainer.json alone, marked `"simulated": true`.
+Trainer ranks (trainer.devices) write one `rank-NNNNN/` directory per rank, each such a state of
+that rank's shards (its trainer.json adds "rank" and "world_size"), and `ranks.json` (the world
+size and devices), written by rank 0 once every rank has written its own.
 
 Invariants:
 - `trainer.json` holds the sha256 of each tensor file, because safetensors checks no data
@@ -19,6 +22,8 @@ Invariants:
   an incomplete AdamW state or another lora_rank raise TrainerError naming the file or parameter.
 - Every file is fsynced, then the directory; while writing, one file's tensors are in memory
   at a time (a full model's state is large).
+- A sharded state loads only onto the same world size; a one-process trainer refuses it, and
+  trainer ranks refuse a state that is not theirs (no ranks.json).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ STATE_FILES = ("lora.safetensors", "optimizer.safetensors", "rng.safetensors")  
 FULL_STATE_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")  # full mode: every weight
 UPDATE_MODES = ("lora", "full")
 ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per parameter once stepped
+RANKS_FILE = "ranks.json"  # in a sharded trainer's state: the world size and devices that wrote it
 
 
 def state_files(update: str) -> tuple[str, str, str]:
@@ -148,6 +154,46 @@ def read_state(directory: Path, cfg: TrainerConfig, trainable: dict[str, torch.n
     if "cpu" not in rng or rng["cpu"].dtype != torch.uint8:
         raise TrainerError(f"{rng_path}: no uint8 'cpu' RNG state")
     return SavedState(weights=weights, optimizer=optim_state, rng=rng, counters=counters, lr=meta.get("lr"))
+
+
+def rank_dir(directory: Path, rank: int) -> Path:
+    """Where trainer rank `rank` keeps its part of a sharded state in `directory`."""
+    return Path(directory) / f"rank-{rank:05d}"
+
+
+def write_ranks_file(directory: Path, devices: tuple[str, ...]) -> None:
+    """ranks.json of a sharded state (rank 0, once every rank has written its directory), fsynced."""
+    meta = {"format": 1, "world_size": len(devices), "devices": list(devices)}
+    write_synced(Path(directory) / RANKS_FILE, json.dumps(meta).encode())
+    fsync_dir(Path(directory))
+
+
+def check_ranks_file(directory: Path, world_size: int) -> None:
+    """Refuse a state that `world_size` trainer ranks cannot resume: not theirs, or of another world size."""
+    path = Path(directory) / RANKS_FILE
+    try:
+        meta = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise TrainerError(f"{path} is missing: this state was not written by trainer ranks "
+                           f"(trainer.devices), and {world_size} ranks cannot resume it") from None
+    except (OSError, ValueError) as e:
+        raise TrainerError(f"{path} cannot be read as JSON: {e}") from None
+    saved = meta.get("world_size") if isinstance(meta, dict) else None
+    if saved != world_size:
+        raise TrainerError(f"{path}: the state was written by {saved!r} trainer ranks, this run has {world_size} "
+                           f"(trainer.devices); a sharded state resumes onto the same number of ranks")
+
+
+def refuse_ranks_state(directory: Path) -> None:
+    """Refuse, in a one-process trainer, a state that trainer ranks wrote (one directory per rank)."""
+    ranks = Path(directory) / RANKS_FILE
+    if ranks.is_file() and not (Path(directory) / "trainer.json").exists():
+        try:
+            n = json.loads(ranks.read_bytes()).get("world_size")
+        except (OSError, ValueError, AttributeError):
+            n = "several"
+        raise TrainerError(f"{directory} was written by {n} trainer ranks (trainer.devices); this trainer is one "
+                           "process: a sharded state resumes onto the same number of ranks")
 
 
 def write_simulated_state(directory: Path, update: str, version: int, step_s: float) -> None:

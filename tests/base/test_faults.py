@@ -20,7 +20,7 @@ from pipeline.errors import AdapterCorruptError, AdapterError, EngineDeadError, 
 from pipeline.observe.metrics import read_jsonl
 from pipeline.loop.orchestrator import Pipeline
 from pipeline.store.rollout_log import read_rollouts
-from pipeline.trainer.policy import SimulatedTrainer
+from pipeline.trainer.simulated import SimulatedTrainer
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"prompt {i}", "token_ids": [1 + i % 50, 2, 3]} for i in range(64)]
 
@@ -118,7 +118,7 @@ def test_a_hung_engine_is_found_by_its_timeouts(tmp_path: Path) -> None:
 
 
 class DivergingTrainer(SimulatedTrainer):
-    """Steps 3 onwards have a non-finite loss (skipped, as LoRATrainer skips them)."""
+    """Steps 3 onwards have a non-finite loss (skipped, as PolicyTrainer skips them)."""
 
     def step(self, batch):
         stats = super().step(batch)

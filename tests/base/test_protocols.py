@@ -72,11 +72,12 @@ def test_an_object_missing_a_member_is_not_an_engine() -> None:
 
 @pytest.mark.parametrize("kind", ["simulated", "lora", "process"])
 def test_every_trainer_is_a_trainer(kind: str, tmp_path: Path) -> None:
-    from pipeline.trainer.policy import LoRATrainer, SimulatedTrainer
+    from pipeline.trainer.policy import PolicyTrainer
+    from pipeline.trainer.simulated import SimulatedTrainer
     from pipeline.trainer.process import ProcessTrainer
 
     trainer = {"simulated": lambda: SimulatedTrainer(),
-               "lora": lambda: LoRATrainer(tmp_path, TrainerConfig(), LossConfig()),
+               "lora": lambda: PolicyTrainer(tmp_path, TrainerConfig(), LossConfig()),
                "process": lambda: ProcessTrainer(tmp_path, TrainerConfig(), LossConfig())}[kind]()
     assert isinstance(trainer, Trainer)
     assert trainer.version == 0 and trainer.consecutive_skips == 0

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from pipeline.models import builtin as models
 from pipeline.config.schema import LossConfig, TrainerConfig
 from pipeline.errors import TrainerError
-from pipeline.trainer.policy import LoRATrainer, SimulatedTrainer
+from pipeline.trainer.policy import PolicyTrainer
+from pipeline.trainer.simulated import SimulatedTrainer
 from pipeline.trainer.process import ProcessTrainer
 from pipeline.trainer.state import STATE_FILES
 from pipeline.types import Batch, Completion, Generation, GroupRequest, Prompt, RolloutGroup
@@ -54,18 +55,18 @@ def _batch(step: int, version: int | None = None) -> Batch:
                                                                                     seed=100 + step)))
 
 
-def _trainer(model_dir: Path, seed: int = 0, keep_versions: int = 3, **cfg: object) -> LoRATrainer:
+def _trainer(model_dir: Path, seed: int = 0, keep_versions: int = 3, **cfg: object) -> PolicyTrainer:
     cfg.setdefault("lora_rank", 4)
-    trainer = LoRATrainer(model_dir, TrainerConfig(**cfg), LossConfig(), seed=seed, keep_versions=keep_versions)
+    trainer = PolicyTrainer(model_dir, TrainerConfig(**cfg), LossConfig(), seed=seed, keep_versions=keep_versions)
     trainer.setup()
     return trainer
 
 
-def _weights(trainer: LoRATrainer) -> dict[str, torch.Tensor]:
+def _weights(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
-def _optimizer_state(trainer: LoRATrainer) -> dict[str, dict[str, torch.Tensor]]:
+def _optimizer_state(trainer: PolicyTrainer) -> dict[str, dict[str, torch.Tensor]]:
     return {n: {k: v.clone() for k, v in trainer.optimizer.state[p].items()}
             for n, p in trainer.model.named_parameters() if p.requires_grad}
 

@@ -19,9 +19,11 @@ from pipeline.models import builtin as models
 from pipeline.store.weights import AdapterStore
 from pipeline.config.schema import LossConfig, TrainerConfig
 from pipeline.errors import AdapterCorruptError, ConfigError, TrainerError
-from pipeline.trainer.policy import FULL_KEEP_VERSIONS, LoRATrainer, SimulatedTrainer
+from pipeline.trainer.policy import PolicyTrainer
+from pipeline.trainer.simulated import SimulatedTrainer
 from pipeline.trainer.process import ProcessTrainer
 from pipeline.trainer.state import FULL_STATE_FILES
+from pipeline.trainer.update import FULL_KEEP_VERSIONS
 from pipeline.types import Batch, RolloutGroup
 # the groups and helpers of test_trainer (tests/ is on sys.path)
 from test_trainer import N, _group, _optimizer_state, _weights
@@ -40,7 +42,7 @@ def _batch(step: int) -> Batch:
                                                       _group(2 * step + 1, "2+2=", step - 1, seed=100 + step)))
 
 
-def _trainer(model_dir: Path, update: str = "full", keep_versions: int = 3, **cfg: object) -> LoRATrainer:
+def _trainer(model_dir: Path, update: str = "full", keep_versions: int = 3, **cfg: object) -> PolicyTrainer:
     """test_trainer's trainer, in full-weight mode unless told otherwise."""
     return trainer_of(model_dir, keep_versions=keep_versions, update=update, **cfg)
 
@@ -192,7 +194,7 @@ def test_recompute_keeps_the_current_and_the_previous_version(model_dir: Path, t
     assert any(not np.allclose(x, y, atol=1e-4) for x, y in zip(at_v1, at_v0[0]))
 
     trainer.step(_batch(2))
-    assert trainer.kept_versions() == [1, 2] and list(trainer._snapshots) == [1]  # one copy, not two
+    assert trainer.kept_versions() == [1, 2] and trainer.snapshots.copies() == [1]  # one copy, not two
     with pytest.raises(KeyError, match=r"keeps versions \[1, 2\], not \[0\]"):
         trainer.recompute_logprobs(groups)
     for x, y in zip(trainer.recompute_logprobs([g1])[0], at_v1):
@@ -200,13 +202,13 @@ def test_recompute_keeps_the_current_and_the_previous_version(model_dir: Path, t
 
     single = _trainer(model_dir, keep_versions=1)
     single.step(_batch(1))
-    assert single._snapshots == {} and single.kept_versions() == [1]
+    assert single.snapshots.copies() == [] and single.kept_versions() == [1]
     with pytest.raises(KeyError):
         single.recompute_logprobs(groups)
 
     # a batch no check will look back at: no whole-model copy of the version it trains from
     trainer.step(dataclasses.replace(_batch(3), keep_version=False))
-    assert trainer.kept_versions() == [3] and trainer._snapshots == {}
+    assert trainer.kept_versions() == [3] and trainer.snapshots.copies() == []
     with pytest.raises(KeyError, match=r"keeps versions \[3\], not \[2\]"):
         trainer.recompute_logprobs([_group(0, PROMPT, version=2)])
 

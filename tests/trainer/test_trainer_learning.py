@@ -15,15 +15,15 @@ import torch
 
 from pipeline.models import builtin as models
 from pipeline.config.schema import LossConfig, TrainerConfig
-from pipeline.trainer.policy import LoRATrainer
+from pipeline.trainer.policy import PolicyTrainer
 from pipeline.types import Batch, Completion, Generation, GroupRequest, Prompt, RolloutGroup
 
 PROMPTS = ("Hello there", "2+2=", "abc", "The quick brown fox")
 
 
-def _trainer(model_dir: Path, loss: LossConfig | None = None, **cfg: object) -> LoRATrainer:
+def _trainer(model_dir: Path, loss: LossConfig | None = None, **cfg: object) -> PolicyTrainer:
     cfg.setdefault("lora_rank", 4)
-    trainer = LoRATrainer(model_dir, TrainerConfig(**cfg), loss or LossConfig(), seed=0)
+    trainer = PolicyTrainer(model_dir, TrainerConfig(**cfg), loss or LossConfig(), seed=0)
     trainer.setup()
     return trainer
 
@@ -40,7 +40,7 @@ def _group(gid: int, text: str, tokens: list[np.ndarray], behaviour: list[np.nda
 
 
 def _random_batch(seed: int = 0, n: int = 4, lengths: tuple[int, ...] = (2, 7, 4, 5), behaviour_shift: float = 0.0,
-                  trainer: LoRATrainer | None = None) -> Batch:
+                  trainer: PolicyTrainer | None = None) -> Batch:
     """Groups of completions of unequal lengths with distinct rewards; behaviour log-probs are the
     trainer's own (from `trainer`) plus a per-token random shift of scale `behaviour_shift`, or -5.8."""
     rng = np.random.default_rng(seed)
@@ -59,7 +59,7 @@ def _random_batch(seed: int = 0, n: int = 4, lengths: tuple[int, ...] = (2, 7, 4
     return Batch(step=version + 1, version=version, groups=tuple(groups))
 
 
-def _reference_gradients(trainer: LoRATrainer, batch: Batch, cap: float) -> dict[str, torch.Tensor]:
+def _reference_gradients(trainer: PolicyTrainer, batch: Batch, cap: float) -> dict[str, torch.Tensor]:
     """TIS token_mean written out independently: -(1/T) sum_t min(exp(lp_t - beh_t), C) A lp_t."""
     rewards = [torch.as_tensor(g.rewards, dtype=torch.float32) for g in batch.groups]
     advantages = [(r - r.mean()) / (r.std(unbiased=False) + 1e-6) for r in rewards]
@@ -105,7 +105,7 @@ def test_gradients_are_invariant_to_the_micro_batch_size(model_dir, aggregation)
             torch.testing.assert_close(g[n], g0[n], rtol=1e-4, atol=1e-5 * scale, msg=lambda m: f"{n}: {m}")
 
 
-def _one_token_policy(trainer: LoRATrainer, text: str) -> torch.Tensor:
+def _one_token_policy(trainer: PolicyTrainer, text: str) -> torch.Tensor:
     """The trainer's next-token distribution [V] after `text` (its exact probabilities)."""
     with torch.no_grad():
         ids = torch.tensor([list(text.encode())])
@@ -139,7 +139,7 @@ def test_a_few_steps_raise_the_expected_reward(model_dir):
     assert after > before + 0.01, f"expected reward {before:.3f} -> {after:.3f}: the policy did not learn"
 
 
-def _stale_batch(trainer: LoRATrainer, seed: int = 4) -> Batch:
+def _stale_batch(trainer: PolicyTrainer, seed: int = 4) -> Batch:
     return _random_batch(seed=seed, trainer=trainer, behaviour_shift=0.3, lengths=(6, 8, 5, 7))
 
 
@@ -234,7 +234,7 @@ def test_entropy_statistic_is_the_policy_entropy_at_the_sampled_tokens(model_dir
 # --------------------------------------------------------------------------- properties of the batch's statistics
 
 
-def _perturbed(model_dir: Path, loss: LossConfig | None = None, **cfg: object) -> LoRATrainer:
+def _perturbed(model_dir: Path, loss: LossConfig | None = None, **cfg: object) -> PolicyTrainer:
     """A trainer whose adapter is not the identity, so every LoRA weight has a nonzero gradient."""
     trainer = _trainer(model_dir, loss, lora_dropout=0.0, **cfg)
     with torch.no_grad():
@@ -255,7 +255,7 @@ def _uneven_batch(rewards: list[list[float]], lengths: tuple[int, ...] = (2, 7, 
     return Batch(step=1, version=0, groups=tuple(groups))
 
 
-def _gradients_for(trainer: LoRATrainer, batch: Batch, advantages: list[torch.Tensor], denominator: float,
+def _gradients_for(trainer: PolicyTrainer, batch: Batch, advantages: list[torch.Tensor], denominator: float,
                    cap: float = 2.0) -> dict[str, torch.Tensor]:
     """-(1 / denominator) sum over tokens of min(exp(lp - beh), C) A grad lp, with the advantages given."""
     model = trainer.model

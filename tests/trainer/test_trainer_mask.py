@@ -16,7 +16,7 @@ import torch
 from pipeline.models import builtin as models
 from pipeline.config.schema import LossConfig, TrainerConfig
 from pipeline.trainer.loss import group_advantages, policy_loss
-from pipeline.trainer.policy import LoRATrainer
+from pipeline.trainer.policy import PolicyTrainer
 from pipeline.trainer.process import ProcessTrainer
 from pipeline.types import Batch, Completion, Generation, GroupRequest, Prompt, RolloutGroup
 # the trainer and helpers of test_trainer (tests/ is on sys.path)
@@ -59,8 +59,8 @@ def _episode_group(group_id: int, text: str, seed: int = 0, env_logprob: float =
     return RolloutGroup(generation=generation, rewards=rewards, t_scored=0.0)
 
 
-def _trainer_with(model_dir: Path, loss_cfg: LossConfig, **cfg: object) -> LoRATrainer:
-    trainer = LoRATrainer(model_dir, TrainerConfig(lora_rank=4, **cfg), loss_cfg)
+def _trainer_with(model_dir: Path, loss_cfg: LossConfig, **cfg: object) -> PolicyTrainer:
+    trainer = PolicyTrainer(model_dir, TrainerConfig(lora_rank=4, **cfg), loss_cfg)
     trainer.setup()
     return trainer
 

@@ -1,7 +1,7 @@
 """The trainer's child process: its events reach the run's events.jsonl, and no call waits on it forever.
 
 Most checks use `Scripted`, a trainer without torch that does what a test asks (its child starts in
-about a second); one uses the real LoRATrainer on the tiny model. The calls that `ProcessTrainer`
+about a second); one uses the real PolicyTrainer on the tiny model. The calls that `ProcessTrainer`
 mirrors with the in-thread trainer are checked in test_trainer.py.
 """
 

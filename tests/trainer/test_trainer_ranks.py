@@ -27,7 +27,7 @@ from test_trainer_learning import _random_batch
 
 from pipeline.config.schema import LossConfig, TrainerConfig
 from pipeline.errors import ConfigError, TrainerError
-from pipeline.trainer.policy import LoRATrainer
+from pipeline.trainer.policy import PolicyTrainer
 from pipeline.trainer.ranks import RankedTrainer
 
 TWO = ("cpu", "cpu")
@@ -69,7 +69,7 @@ def test_two_ranks_take_the_one_process_trainers_step(model_dir: Path, tmp_path:
     """Loss, every train/* statistic and the updated weights equal the one-process trainer's on the
     same batch, over two optimizer steps (minibatches = 2), one rank making a pass without rows."""
     batch = _random_batch(seed=1, n=3, lengths=LENGTHS)
-    one = LoRATrainer(model_dir, _cfg(update=update, minibatches=2), LOSS, seed=0)
+    one = PolicyTrainer(model_dir, _cfg(update=update, minibatches=2), LOSS, seed=0)
     one.setup()
     expected = one.step(batch)
     two = _ranked(model_dir, update=update, minibatches=2)
@@ -100,8 +100,8 @@ def test_two_ranks_take_the_one_process_trainers_step(model_dir: Path, tmp_path:
         two.close()
 
 
-def _fresh(model_dir: Path, update: str) -> LoRATrainer:
-    t = LoRATrainer(model_dir, _cfg(update=update), LOSS, seed=0)
+def _fresh(model_dir: Path, update: str) -> PolicyTrainer:
+    t = PolicyTrainer(model_dir, _cfg(update=update), LOSS, seed=0)
     t.setup()
     return t
 
@@ -110,7 +110,7 @@ def test_two_ranks_recompute_an_older_versions_logprobs_as_one_process(model_dir
     """Log-probs under a kept older version (the log-prob check's) and the current one agree with the
     one-process trainer's, and the current weights are back in place after."""
     b1 = replace(_random_batch(seed=1, n=3, lengths=LENGTHS), keep_version=True)  # version 0 is kept
-    one = LoRATrainer(model_dir, _cfg(), LOSS, seed=0, keep_versions=3)
+    one = PolicyTrainer(model_dir, _cfg(), LOSS, seed=0, keep_versions=3)
     one.setup()
     two = _ranked(model_dir)
     try:
@@ -132,7 +132,7 @@ def test_two_ranks_recompute_an_older_versions_logprobs_as_one_process(model_dir
 KILLED_RUN = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    sys.path[:0] = [{repo!r}, {tests!r}]
+    sys.path[:0] = [{repo!r}, {tests!r}, {here!r}]
     from test_trainer_ranks import LOSS, LENGTHS, TWO, _cfg
     from test_trainer_learning import _random_batch
     from pipeline.trainer.ranks import RankedTrainer
@@ -154,8 +154,8 @@ def test_kill_9_of_the_run_then_resume_onto_two_ranks_is_bit_identical(model_dir
     state = tmp_path / "state"
     state.mkdir()
     script = tmp_path / "run.py"
-    script.write_text(KILLED_RUN.format(repo=str(REPO), tests=str(REPO / "tests"), model=str(model_dir),
-                                        state=str(state)))
+    script.write_text(KILLED_RUN.format(repo=str(REPO), tests=str(REPO / "tests"), here=str(Path(__file__).parent),
+                                        model=str(model_dir), state=str(state)))
     run = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         pids = next((line.split()[1:] for line in run.stdout if line.startswith("PIDS")), [])
@@ -186,7 +186,7 @@ def test_kill_9_of_the_run_then_resume_onto_two_ranks_is_bit_identical(model_dir
         never_stopped.close()
         resumed.close()
 
-    one = LoRATrainer(model_dir, _cfg(), LOSS, seed=0)
+    one = PolicyTrainer(model_dir, _cfg(), LOSS, seed=0)
     one.setup()
     with pytest.raises(TrainerError, match=r"written by 2 trainer ranks.*one process"):
         one.load_state(state)
@@ -340,7 +340,7 @@ def test_a_rank_started_by_torchrun_elsewhere_joins_at_the_rendezvous(model_dir:
 
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     batch = _random_batch(seed=1, n=3, lengths=LENGTHS)
-    one = LoRATrainer(model_dir, _cfg(), LOSS, seed=0)
+    one = PolicyTrainer(model_dir, _cfg(), LOSS, seed=0)
     one.setup()
     expected = one.step(batch)
     t = RankedTrainer(model_dir, _cfg(devices=("cpu",), remote_ranks=1, rendezvous=rendezvous), LOSS, seed=0)
@@ -348,7 +348,7 @@ def test_a_rank_started_by_torchrun_elsewhere_joins_at_the_rendezvous(model_dir:
     ready.start()  # rank 0 waits at the rendezvous for rank 1
     remote = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m",
-         "pipeline.trainer.fsdp", "--rendezvous", rendezvous, "--first-rank", "1", "--world-size", "2",
+         "pipeline.trainer.ranks", "--rendezvous", rendezvous, "--first-rank", "1", "--world-size", "2",
          "--device", "cpu"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ready.join(120)
