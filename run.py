@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pipeline.config.io import load_config, parse_override
     from pipeline.errors import ConfigError
+    from pipeline.loop.preflight import preflight
 
     try:
         if args.resume is not None and args.config is not None:
@@ -105,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.out is not None:
                 overrides["out"] = args.out
             cfg = load_config(args.config or DEFAULT_CONFIG, overrides)
+        preflight(cfg)  # the paths, packages and devices it names, before the run directory is made
     except ConfigError as e:
         print(_error_line(str(e)), file=sys.stderr)
         return 2

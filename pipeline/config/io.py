@@ -8,7 +8,8 @@ Invariants:
   typo never silently falls back to a default.
 - Every bad input (a broken or unreadable file, a wrong type, a value out of range, an unknown
   key, a bad `--set`) raises `ConfigError` and nothing else; its one-line message names the
-  dotted key (or the file) and what is allowed.
+  dotted key (or the file) and what is allowed. The only file it reads is the config file itself:
+  whether the paths, packages and devices the values name exist is pipeline.loop.preflight's.
 - `dump_toml(load_config(x))` loads back to an equal config: the resolved config written to
   the run directory repeats the run exactly.
 - `reference_markdown()` takes each key's meaning from the comment beside its field in the

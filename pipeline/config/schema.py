@@ -7,14 +7,16 @@ Invariants:
   out of range with a `ConfigError` naming the field and what is allowed.
 - A RunConfig that exists is valid as a whole: the checks across sections (sampling against
   loss.correction, engine.kind against trainer.update, ...) run in `RunConfig.__post_init__`.
+- The checks are of the values alone: building a config touches no file, package or device, so
+  one naming a path that does not exist (yet) builds. What the values name on this machine (a
+  model directory, a data file, a tracker's package, a CUDA device) is pipeline.loop.preflight's,
+  run before anything is made.
 - Importing this module imports no torch: run.py reports a bad config before torch loads.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 import re
 import reprlib
 from dataclasses import dataclass, field
@@ -69,13 +71,6 @@ class ModelConfig:
         _check(0 < self.warm_start_accuracy < 1, "model.warm_start_accuracy", "in (0, 1)", self.warm_start_accuracy)
         _check_path("model.path", self.path)
         _check_path("model.cache_dir", self.cache_dir)
-        # os.path.isdir never raises (a too-long or unreadable path is simply not a directory)
-        if self.path and not os.path.isdir(self.path):
-            what = "is not a directory" if os.path.exists(self.path) else "does not exist"
-            raise ConfigError(f"model.path must be an existing model directory; {_show(self.path)} {what}")
-        if self.path and not os.path.isfile(os.path.join(self.path, "config.json")):
-            raise ConfigError(f"model.path must be a transformers model directory; {_show(self.path)} "
-                              "has no config.json")
 
 
 WARM_START_TASKS = ("addition",)  # the built-in tasks with worked problems (pipeline.data.tasks.Task.demonstrate)
@@ -98,27 +93,6 @@ class TaskConfig:
         _check(self.num_eval_prompts >= 1, "task.num_eval_prompts", ">= 1", self.num_eval_prompts)
 
 
-_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-
-
-def _check_data_path(key: str, value: str) -> None:
-    """A data file (by suffix) or a datasets.save_to_disk directory that exists."""
-    _check_path(key, value)
-    if not value:
-        return
-    # os.path's tests never raise: an unreadable or malformed path is simply "not there"
-    if not os.path.exists(value):
-        raise ConfigError(f"{key}: {_show(value)} does not exist")
-    if os.path.isdir(value):
-        if not os.path.isfile(os.path.join(value, "dataset_info.json")) and \
-                not os.path.isfile(os.path.join(value, "dataset_dict.json")):
-            raise ConfigError(f"{key}: directory {_show(value)} is not one written by datasets' save_to_disk "
-                              "(no dataset_info.json or dataset_dict.json)")
-    elif not value.lower().endswith(_DATA_SUFFIXES):
-        raise ConfigError(f"{key} must be a {', '.join(_DATA_SUFFIXES)} file or a datasets.save_to_disk "
-                          f"directory, got {_show(value)}")
-
-
 @dataclass(frozen=True)
 class DataConfig:
     """Your own prompts from files; a row is {"prompt": text or [{role, content}, ...], "id"?, **columns for the reward}."""
@@ -133,14 +107,11 @@ class DataConfig:
     system_prompt: str = ""  # a system message put first in every chat prompt that has none; "" = none
 
     def __post_init__(self) -> None:
-        _check_data_path("data.train", self.train)
-        _check_data_path("data.eval", self.eval)
+        _check_path("data.train", self.train)
+        _check_path("data.eval", self.eval)
         _check(self.prompt_field.strip() != "", "data.prompt_field", "a column name", self.prompt_field)
         _check_seed("data.seed", self.seed)
         _check_path("data.chat_template", self.chat_template)
-        if self.chat_template and not os.path.isfile(self.chat_template):
-            raise ConfigError(f"data.chat_template must be a jinja file; {_show(self.chat_template)} "
-                              + ("is not a file" if os.path.exists(self.chat_template) else "does not exist"))
 
 
 _REWARD_ENTRY = re.compile(r"[^:\s][^:]*:[A-Za-z_][A-Za-z0-9_]*")
@@ -395,7 +366,7 @@ class TrainerConfig:
     update: Literal["lora", "full"] = "lora"  # publish a LoRA adapter per version, or the full weights (lora_* unused)
     device: str = "cpu"  # "cpu" or "cuda:N"
     devices: tuple[str, ...] = ()  # trainer ranks, one process each, FSDP2 over torch.distributed (gloo on "cpu", NCCL on "cuda:N"); empty = trainer.device alone
-    remote_ranks: int = 0  # more ranks, started on other hosts (`python -m pipeline.trainer.fsdp`, e.g. under torchrun; docs/gpus.md#trainer-ranks)
+    remote_ranks: int = 0  # more ranks, started on other hosts (`python -m pipeline.trainer.ranks`, e.g. under torchrun; docs/gpus.md#trainer-ranks)
     rendezvous: str = ""  # with remote_ranks: "tcp://THIS_HOST:PORT", where rank 0's store listens for them
     lr: float = 1e-2  # for the CPU demo's tiny random model; real models want ~1e-5 to 1e-4
     weight_decay: float = 0.0  # AdamW decoupled weight decay
@@ -560,11 +531,6 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         _check(len(set(self.trackers)) == len(self.trackers), "log.trackers", "distinct trackers", self.trackers)
-        for name in self.trackers:
-            # find_spec finds the package without importing it (wandb and tensorboard take a second or two)
-            if importlib.util.find_spec(name) is None:
-                raise ConfigError(f'log.trackers includes "{name}" but the {name} package is not installed; '
-                                  f'pip install -e ".[{name}]"')
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,7 @@ def check_model_dir(path: str | Path, key: str = "model.path") -> None:
     config = Path(path) / "config.json"
     try:
         conf = json.loads(config.read_text(encoding="utf-8"))
-    except OSError as e:  # config.py saw it exist; unreadable now (permissions, a dangling link)
+    except OSError as e:  # the preflight saw it exist; unreadable now (permissions, a dangling link)
         raise ConfigError(f"{key}: {str(config)!r} cannot be read: {e}") from None
     except ValueError as e:  # not JSON, or not UTF-8 text
         raise ConfigError(f"{key}: {str(config)!r} is not valid JSON ({e})") from None

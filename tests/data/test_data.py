@@ -10,6 +10,7 @@ import pytest
 from pipeline.config.io import load_config
 from pipeline.data.files import load_rows
 from pipeline.errors import ConfigError
+from pipeline.loop.preflight import preflight
 
 ROWS = [
     {"id": "a", "prompt": "What is 1+1?", "answer": "2"},
@@ -71,15 +72,15 @@ def test_nothing_is_cached_outside_a_temporary_directory(tmp_path: Path, monkeyp
     assert not (tmp_path / "hf" / "datasets").exists() or not any((tmp_path / "hf" / "datasets").rglob("*.arrow"))
 
 
-def test_a_missing_file_is_refused_by_the_config_naming_the_key(tmp_path: Path) -> None:
+def test_a_missing_file_is_refused_before_the_run_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data.train: .*nope.jsonl.* does not exist"):
-        load_config(None, {"data.train": str(tmp_path / "nope.jsonl"), "reward.functions": ["m:f"]})
+        preflight(load_config(None, {"data.train": str(tmp_path / "nope.jsonl"), "reward.functions": ["m:f"]}))
     with pytest.raises(ConfigError, match=r"data.eval must be a .jsonl"):
         (tmp_path / "x.txt").write_text("hi")
-        load_config(None, {"data.eval": str(tmp_path / "x.txt")})
+        preflight(load_config(None, {"data.eval": str(tmp_path / "x.txt")}))
     with pytest.raises(ConfigError, match="save_to_disk"):
         (tmp_path / "d").mkdir()
-        load_config(None, {"data.eval": str(tmp_path / "d")})
+        preflight(load_config(None, {"data.eval": str(tmp_path / "d")}))
 
 
 def test_data_train_needs_a_reward() -> None:

@@ -19,6 +19,7 @@ from structlog.testing import capture_logs
 
 from pipeline.config.io import dump_toml, load_config
 from pipeline.errors import ConfigError
+from pipeline.loop.preflight import preflight
 from pipeline.observe.metrics import read_jsonl
 from pipeline.loop.orchestrator import Pipeline
 from pipeline.observe.trackers import Trackers, scalars, wandb_mode
@@ -238,7 +239,7 @@ def test_a_tracker_whose_package_is_missing_is_a_config_error_naming_the_extra(
     _hide(monkeypatch, package)
     with pytest.raises(ConfigError, match=rf'log.trackers includes "{package}" but the {package} package is not '
                                           rf'installed; pip install -e "\.\[{package}\]"'):
-        load_config(None, {"log.trackers": [package]})
+        preflight(load_config(None, {"log.trackers": [package]}))
 
 
 @pytest.mark.parametrize("trackers, message", [
@@ -268,7 +269,8 @@ def test_choosing_trackers_imports_none_of_their_packages() -> None:
     # the check is find_spec's: importing torch, TensorBoard or wandb costs seconds before any error is said
     code = ("import importlib.util, sys; from pipeline.config.io import load_config; import pipeline.observe.trackers; "
             "names = [n for n in ('tensorboard', 'wandb') if importlib.util.find_spec(n)]; "
-            "assert 'tensorboard' in names; load_config(None, {'log.trackers': names}); "
+            "assert 'tensorboard' in names; from pipeline.loop.preflight import preflight; "
+            "preflight(load_config(None, {'log.trackers': names})); "
             "print(sorted(m for m in ('torch', 'tensorboard', 'wandb') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
