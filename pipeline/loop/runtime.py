@@ -1,6 +1,6 @@
 """The process settings a run changes while it runs: torch threads, the GIL switch interval, the
-garbage collector and the signal handlers; every one of them is restored when the run ends. And
-the Supervisor of the run's tasks.
+garbage collector and the signal handlers; every one of them is restored when the run ends (a
+caller's own SIGINT or SIGTERM handler too). And the Supervisor of the run's tasks.
 
 Invariants:
 - Every task of a run is spawned through its Supervisor; the first one to raise (BufferClosed,
@@ -53,7 +53,7 @@ class Runtime:
         self._threads_before: int | None = None  # torch threads
         self._switch_before: float | None = None  # the GIL switch interval
         self._gc_before: tuple[int, ...] | None = None  # the collector's thresholds
-        self._signals: list[signal.Signals] = []
+        self._signals: dict[signal.Signals, Any] = {}  # signal -> the handler it had before the run
 
     def share_cpu(self) -> None:
         """Engine and trainer both computing on the CPU: this process (the engine's generation, and
@@ -79,8 +79,9 @@ class Runtime:
         if on_signal is not None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
+                before = signal.getsignal(sig)
                 loop.add_signal_handler(sig, on_signal, sig)
-                self._signals.append(sig)
+                self._signals[sig] = before
         if pc.switch_interval_ms:
             # a worker thread holding the GIL (the engine's Python glue, a zarr flush) keeps the
             # loop waiting up to this long; Python's default was the loop's lag on 2 cores
@@ -90,12 +91,16 @@ class Runtime:
             self._gc_before = quiet_gc(pc.gc_threshold)
 
     def remove_signal_handlers(self) -> None:
-        """Signals act as usual again (shutdown is under way: a second Ctrl-C interrupts it)."""
+        """Signals act as they did before the run (shutdown is under way: a second Ctrl-C interrupts
+        it, or reaches the caller's own handler)."""
         if self._signals:
             loop = asyncio.get_running_loop()
-            for sig in self._signals:
+            for sig, before in self._signals.items():
+                # asyncio puts back SIG_DFL (or Python's SIGINT handler), not the one it replaced
                 loop.remove_signal_handler(sig)
-            self._signals = []
+                if before is not None:  # None: a handler not set from Python, which asyncio cannot have replaced either
+                    signal.signal(sig, before)
+            self._signals = {}
 
     def restore(self) -> None:
         """Threads, switch interval and collector as they were before the run."""
