@@ -26,8 +26,8 @@ from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt
 # CPU transformers engine vs recomputation: both float32 on the same weights, so only summation
 # order differs (KV cache and left padding against one full pass): differences are ~1e-6.
 TRANSFORMERS_MAX_ABS_DLOGPROB = 1e-3
-# vLLM runs bfloat16, the recomputation float32: the probe measured mean |d| 0.050 on a 0.5B model
-# (/work/shared/gpu/README.md); the "small" test model has far smaller logits, so 0.1 is loose.
+# vLLM runs bfloat16, the recomputation float32: see docs/architecture.md#measurements-behind-the-code for the
+# agreement measured on a 0.5B model; the "small" test model has far smaller logits, so 0.1 is loose.
 VLLM_MEAN_ABS_DLOGPROB = 0.1
 # The version an engine was asked for must explain its log-probs far better than any other
 # candidate: mean |d| under it below this fraction of the best wrong candidate's.
@@ -197,7 +197,7 @@ class Harness:
     prompt_rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     next_group: int = 0
     closers: list[Callable[[], Any]] = field(default_factory=list)  # run after the engine closes (servers)
-    server: Any = None  # vllm_server kinds: the stub (CPU) or the `vllm serve` process (GPU)
+    server: Any = None  # vllm_server kinds: the stand-in (CPU) or the `vllm serve` process (GPU)
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -264,13 +264,13 @@ def _vllm(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
 
 def _vllm_server(loop: asyncio.AbstractEventLoop, tmp: Path) -> Harness:
     """The HTTP engine against a stand-in for `vllm serve` that samples with the transformers engine."""
-    from vllm_server_stub import VLLMServerStub
+    from vllm_stand_in import VLLMStandIn
 
     from pipeline.config.schema import VLLMServerEngineConfig
     from pipeline.engines.vllm_server import VLLMServerEngine
 
     inner = _transformers(loop, tmp)
-    stub = VLLMServerStub(inner.engine, model_name="tiny")
+    stub = VLLMStandIn(inner.engine, model_name="tiny")
     url = loop.run_until_complete(stub.start())
     engine = VLLMServerEngine(url, sampling=SamplingConfig(), cfg=VLLMServerEngineConfig(urls=(url,)),
                               max_staleness=MAX_STALENESS, name="vllm-server-contract")

@@ -1,7 +1,7 @@
 """`engine.vllm_server.launch = true`: the pipeline starts one server per engine.devices entry.
 
-On the CPU the servers are tests/stub_vllm_serve.py (vLLM's HTTP API over the tiny model's
-in-process engine), given as engine.vllm_server.command; the real `vllm serve` runs in
+On the CPU the servers are tests/vllm_stand_in.py as processes (vLLM's HTTP API over the tiny
+model's in-process engine), given as engine.vllm_server.command; the real `vllm serve` runs in
 tests/engines/test_vllm_server_gpu.py. Checked: a run on two launched servers accounts for every group
 and leaves no server process; a server killed mid-run is restarted through the engine restarts;
 a run killed with SIGKILL leaves none either; the config is checked.
@@ -22,7 +22,7 @@ from conftest import REPO, run_py, start_run_py, wait_for_steps
 from pipeline.config.io import load_config
 from pipeline.errors import ConfigError
 
-STUB = REPO / "tests" / "stub_vllm_serve.py"
+STAND_IN = REPO / "tests" / "vllm_stand_in.py"
 
 RUN = f"""
 seed = 3
@@ -42,7 +42,7 @@ start_timeout_s = 120
 gpu_memory_utilization = 0.4
 [engine.vllm_server]
 launch = true
-command = [{json.dumps(sys.executable)}, {json.dumps(str(STUB))}]
+command = [{json.dumps(sys.executable)}, {json.dumps(str(STAND_IN))}]
 [trainer]
 step_s = 0.0
 [pipeline]

@@ -1,9 +1,10 @@
 """pipeline/engines/vllm_launch.py: the `vllm serve` launcher's process handling, on the CPU.
 
-The server is tests/fake_vllm_serve.py, a stand-in that answers /health and can be slow to start,
-fail, ignore SIGTERM or start a child that ignores it. Checked: start waits for health and hands
-only the child its narrowed GPU; stop leaves no live process of the server's group; a server that
-exits or never answers raises with its log and is not left running; a killed owner leaves no server.
+The server is tests/vllm_stand_in.py as a process, over the simulated engine (no model to
+load); its knobs make it slow to start, fail, ignore SIGTERM or start a child that ignores it.
+Checked: start waits for health and hands only the child its narrowed GPU; stop leaves no live
+process of the server's group; a server that exits or never answers raises with its log and is
+not left running; a killed owner leaves no server.
 The launcher with real vLLM runs in tests/engines/test_engine_contract.py (param vllm_server_gpu, -m gpu).
 """
 
@@ -25,13 +26,14 @@ from conftest import REPO
 from pipeline.engines.vllm_launch import VLLMServeProcess
 from pipeline.errors import EngineDeadError
 
-FAKE = Path(__file__).resolve().parents[1] / "fake_vllm_serve.py"
+STAND_IN = Path(__file__).resolve().parents[1] / "vllm_stand_in.py"
+SIMULATED = ("--stand-in-engine", "simulated")  # the model path names no model
 linux_only = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
 
 
 def launcher(tmp_path: Path, *knobs: str, **kw: object) -> VLLMServeProcess:
-    return VLLMServeProcess(tmp_path / "model", tmp_path / "serve.log", program=(sys.executable, str(FAKE)),
-                            extra=knobs, **kw)
+    return VLLMServeProcess(tmp_path / "model", tmp_path / "serve.log", program=(sys.executable, str(STAND_IN)),
+                            extra=(*SIMULATED, *knobs), **kw)
 
 
 def run(coro: object) -> object:
@@ -88,7 +90,7 @@ def kill_leftovers(pgid: int) -> None:
 def test_start_waits_for_health_and_narrows_the_gpu_for_the_child_only(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-    server = launcher(tmp_path, "--fake-delay", "0.6", device="cuda:1", max_loras=7, enforce_eager=True)
+    server = launcher(tmp_path, "--stand-in-delay", "0.6", device="cuda:1", max_loras=7, enforce_eager=True)
     assert server.port != 0 and server.url == f"http://127.0.0.1:{server.port}"
 
     async def scenario() -> float:
@@ -109,14 +111,14 @@ def test_start_waits_for_health_and_narrows_the_gpu_for_the_child_only(tmp_path:
     for flag, value in (("--port", str(server.port)), ("--host", "127.0.0.1"), ("--max-loras", "7"),
                         ("--max-lora-rank", "16"), ("--max-num-seqs", "1024")):
         assert argv[argv.index(flag) + 1] == value, (flag, argv)
-    assert {"--enable-lora", "--enforce-eager", "--fake-delay"} <= set(argv)
+    assert {"--enable-lora", "--enforce-eager", "--stand-in-delay"} <= set(argv)
 
 
 @linux_only
 @pytest.mark.parametrize("server_ignores_term", [False, True], ids=["server-stops", "server-stuck"])
 def test_stop_leaves_no_live_process_of_the_servers_group(tmp_path: Path, server_ignores_term: bool) -> None:
     # the server's child ignores SIGTERM in both cases: only a SIGKILL to the group ends it
-    knobs = ("--fake-child", *(("--fake-ignore-term",) if server_ignores_term else ()))
+    knobs = ("--stand-in-child", *(("--stand-in-ignore-term",) if server_ignores_term else ()))
     server = launcher(tmp_path, *knobs, grace_s=0.5)
 
     async def scenario() -> None:
@@ -135,16 +137,16 @@ def test_stop_leaves_no_live_process_of_the_servers_group(tmp_path: Path, server
 
 
 def test_a_server_that_exits_early_raises_with_the_end_of_its_log(tmp_path: Path) -> None:
-    server = launcher(tmp_path, "--fake-exit", "3")
+    server = launcher(tmp_path, "--stand-in-exit", "3")
     with pytest.raises(EngineDeadError, match=r"(?s)exited with code 3 before answering .*/health.*"
-                                              r"the end of its log .*ValueError: fake vllm serve was told to fail"):
+                                              r"the end of its log .*ValueError: the stand-in was told to fail"):
         run(server.start(timeout_s=10))
     assert server.returncode == 3
 
 
 @linux_only
 def test_a_server_that_never_answers_is_stopped_after_the_timeout(tmp_path: Path) -> None:
-    server = launcher(tmp_path, "--fake-delay", "60", "--fake-child", grace_s=0.5)
+    server = launcher(tmp_path, "--stand-in-delay", "60", "--stand-in-child", grace_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"did not answer .*/health within 1 s"):
         run(server.start(timeout_s=1))
@@ -164,7 +166,7 @@ def test_a_killed_owner_leaves_no_server(tmp_path: Path) -> None:
         "import asyncio, sys\n"
         "from pipeline.engines.vllm_launch import VLLMServeProcess\n"
         f"s = VLLMServeProcess({str(tmp_path / 'model')!r}, {str(tmp_path / 'serve.log')!r}, "
-        f"program=(sys.executable, {str(FAKE)!r}), extra=['--fake-child'])\n"
+        f"program=(sys.executable, {str(STAND_IN)!r}), extra={[*SIMULATED, '--stand-in-child']!r})\n"
         "asyncio.run(s.start(timeout_s=10))\n"
         "print('server-pid', s.pid, flush=True)\n"
         "sys.stdin.read()\n")  # until the test kills it

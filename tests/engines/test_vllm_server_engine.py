@@ -1,6 +1,6 @@
 """engine.kind = "vllm_server": a run against a server, and what goes wrong with servers, said clearly.
 
-The server is tests/vllm_server_stub.py: vLLM 0.24's HTTP surface (status codes and JSON shapes
+The server is tests/vllm_stand_in.py: vLLM 0.24's HTTP surface (status codes and JSON shapes
 read from its source) in front of one of this repo's engines, on the test's event loop. The
 Engine contract itself runs on this engine in test_engine_contract.py (param vllm_server), and
 against a real `vllm serve` on a GPU (param vllm_server_gpu; tests/engines/test_vllm_server_gpu.py runs
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_server_stub import VLLMServerStub
+from vllm_stand_in import VLLMStandIn
 
 from pipeline.config.schema import ConfigError, SamplingConfig, SimulatedEngineConfig, VLLMServerEngineConfig
 from pipeline.config.io import load_config
@@ -44,7 +44,7 @@ async def with_server(fn: Any, *, cfg: VLLMServerEngineConfig | None = None, **s
     """Run fn(stub, engine) with a started stub (over a simulated engine) and an HTTP engine on it."""
     inner = SimulatedEngine(SimulatedEngineConfig(latency_s=0.0, completion_tokens=4), name="inner")
     await inner.start()
-    stub = VLLMServerStub(inner, model_name="base-model", **stub_kw)
+    stub = VLLMStandIn(inner, model_name="base-model", **stub_kw)
     url = await stub.start()
     engine = VLLMServerEngine(url, sampling=SamplingConfig(), cfg=cfg or VLLMServerEngineConfig(urls=(url,)),
                               max_staleness=1, name="http-0")
@@ -65,13 +65,13 @@ def test_a_run_trains_through_a_server_with_every_version_registered(tmp_path: P
     model_path = build_model("tiny", tmp_path / "models")
     steps, B = 4, 4
 
-    async def main() -> tuple[Pipeline, dict[str, Any], VLLMServerStub]:
+    async def main() -> tuple[Pipeline, dict[str, Any], VLLMStandIn]:
         from pipeline.config.schema import TransformersEngineConfig
 
         inner = TransformersEngine(model_path, sampling=SamplingConfig(), cfg=TransformersEngineConfig(),
                                    device="cpu", dtype="float32", max_loaded_adapters=3, seed=0, name="inner")
         await inner.start()
-        stub = VLLMServerStub(inner, model_name="tiny")
+        stub = VLLMStandIn(inner, model_name="tiny")
         url = await stub.start()
         cfg = load_config(None, {
             "out": str(tmp_path / "run"), "model.path": str(model_path), "engine.kind": "vllm_server",
@@ -113,7 +113,7 @@ def test_a_run_trains_through_a_server_with_every_version_registered(tmp_path: P
 
 
 def test_a_server_without_runtime_adapters_is_named_with_the_fix(tmp_path: Path) -> None:
-    async def scenario(stub: VLLMServerStub, engine: VLLMServerEngine) -> None:
+    async def scenario(stub: VLLMStandIn, engine: VLLMServerEngine) -> None:
         await engine.start()
         with pytest.raises(AdapterError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"):
             await engine.load_adapter(adapter_dir(tmp_path, 1))
@@ -122,7 +122,7 @@ def test_a_server_without_runtime_adapters_is_named_with_the_fix(tmp_path: Path)
 
 
 def test_a_model_the_server_does_not_serve_is_refused_at_start(tmp_path: Path) -> None:
-    async def scenario(stub: VLLMServerStub, engine: VLLMServerEngine) -> None:
+    async def scenario(stub: VLLMStandIn, engine: VLLMServerEngine) -> None:
         wrong = VLLMServerEngine(engine.url, sampling=SamplingConfig(),
                                  cfg=VLLMServerEngineConfig(urls=(engine.url,), model="other"), name="wrong")
         with pytest.raises(ConfigError, match="'other' is not served by .* \\(it serves \\['base-model'\\]"):
@@ -148,7 +148,7 @@ def test_start_waits_for_a_server_that_is_still_coming_up(tmp_path: Path) -> Non
         starting = asyncio.ensure_future(engine.start())
         await asyncio.sleep(1.5)
         assert not starting.done(), "start() gave up on a server that is still starting"
-        stub = VLLMServerStub(inner, model_name="base-model", port=port)
+        stub = VLLMStandIn(inner, model_name="base-model", port=port)
         await stub.start()
         try:
             await asyncio.wait_for(starting, 10)
@@ -163,7 +163,7 @@ def test_start_waits_for_a_server_that_is_still_coming_up(tmp_path: Path) -> Non
 
 
 def test_a_server_that_forgot_an_adapter_gets_it_again(tmp_path: Path) -> None:
-    async def scenario(stub: VLLMServerStub, engine: VLLMServerEngine) -> None:
+    async def scenario(stub: VLLMStandIn, engine: VLLMServerEngine) -> None:
         await engine.start()
         ref = adapter_dir(tmp_path, 1)
         await engine.load_adapter(ref)
@@ -176,7 +176,7 @@ def test_a_server_that_forgot_an_adapter_gets_it_again(tmp_path: Path) -> None:
 
 
 def test_a_failed_completion_fails_the_group_with_the_servers_message(tmp_path: Path) -> None:
-    async def scenario(stub: VLLMServerStub, engine: VLLMServerEngine) -> None:
+    async def scenario(stub: VLLMStandIn, engine: VLLMServerEngine) -> None:
         await engine.start()
         stub.fail_next_completions = 1
         with pytest.raises(GenerationError, match=f"{engine.url} answered 500 to group 1"):
@@ -187,7 +187,7 @@ def test_a_failed_completion_fails_the_group_with_the_servers_message(tmp_path: 
 
 
 def test_a_failed_registration_is_an_adapter_error_and_a_later_load_tries_again(tmp_path: Path) -> None:
-    async def scenario(stub: VLLMServerStub, engine: VLLMServerEngine) -> None:
+    async def scenario(stub: VLLMStandIn, engine: VLLMServerEngine) -> None:
         await engine.start()
         ref = adapter_dir(tmp_path, 1)
         stub.fail_next_loads = 1
@@ -202,7 +202,7 @@ def test_a_failed_registration_is_an_adapter_error_and_a_later_load_tries_again(
 
 def test_the_api_key_comes_from_the_environment_variable_named(tmp_path: Path, monkeypatch: Any) -> None:
     async def main() -> None:
-        async def scenario(stub: VLLMServerStub, engine: VLLMServerEngine) -> None:
+        async def scenario(stub: VLLMStandIn, engine: VLLMServerEngine) -> None:
             def keyed(env: str) -> VLLMServerEngine:
                 return VLLMServerEngine(engine.url, sampling=SamplingConfig(), name="keyed",
                                         cfg=VLLMServerEngineConfig(urls=(engine.url,), api_key_env=env))
@@ -229,7 +229,7 @@ def test_the_api_key_comes_from_the_environment_variable_named(tmp_path: Path, m
 
 
 def test_unused_versions_are_unregistered_but_not_while_a_group_uses_them(tmp_path: Path) -> None:
-    async def scenario(stub: VLLMServerStub, engine: VLLMServerEngine) -> None:
+    async def scenario(stub: VLLMStandIn, engine: VLLMServerEngine) -> None:
         await engine.start()
         refs = [adapter_dir(tmp_path, v) for v in (1, 2, 3, 4)]
         for ref in refs[:3]:
@@ -257,10 +257,10 @@ def test_a_server_that_dies_mid_run_is_waited_for_and_nothing_is_lost(tmp_path: 
     prompts = [{"id": f"p{i}", "prompt": "", "token_ids": [1 + i % 50, 2, 3]} for i in range(64)]
     steps, B = 8, 2
 
-    async def main() -> tuple[dict[str, Any], VLLMServerStub, int]:
+    async def main() -> tuple[dict[str, Any], VLLMStandIn, int]:
         inner = SimulatedEngine(SimulatedEngineConfig(latency_s=0.05, completion_tokens=4), name="inner")
         await inner.start()
-        stub = VLLMServerStub(inner, model_name="base-model")
+        stub = VLLMStandIn(inner, model_name="base-model")
         url = await stub.start()
         cfg = load_config(None, {
             "out": str(tmp_path / "run"), "model.path": str(build_model("tiny", tmp_path / "models")),
@@ -300,7 +300,7 @@ def test_a_prompt_longer_than_the_servers_context_is_refused_by_name(tmp_path: P
     async def main() -> dict[str, Any]:
         inner = SimulatedEngine(SimulatedEngineConfig(latency_s=0.0, completion_tokens=4), name="inner")
         await inner.start()
-        stub = VLLMServerStub(inner, model_name="base-model", max_model_len=12)
+        stub = VLLMStandIn(inner, model_name="base-model", max_model_len=12)
         url = await stub.start()
         cfg = load_config(None, {
             "out": str(tmp_path / "run"), "model.path": str(build_model("tiny", tmp_path / "models")),

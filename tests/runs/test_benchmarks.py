@@ -562,10 +562,10 @@ def test_side_by_side_has_a_row_per_k_and_engine_against_the_baseline_at_the_sam
 
 
 class StandInServe:
-    """VLLMServeProcess's API over tests/vllm_server_stub.py serving the simulated engine (no vLLM, no GPU).
+    """VLLMServeProcess's API over tests/vllm_stand_in.py serving the simulated engine (no vLLM, no GPU).
 
-    The stub runs on its own event loop in a thread, as a server runs apart from the pipeline's loop
-    (and a stop the sweep forgets fails the test instead of leaving the stub on the sweep's loop)."""
+    The stand-in runs on its own event loop in a thread, as a server runs apart from the pipeline's loop
+    (and a stop the sweep forgets fails the test instead of leaving it on the sweep's loop)."""
 
     instances: list["StandInServe"] = []
 
@@ -578,13 +578,13 @@ class StandInServe:
         StandInServe.instances.append(self)
 
     async def _serve(self) -> str:
-        from vllm_server_stub import VLLMServerStub
+        from vllm_stand_in import VLLMStandIn
 
         from pipeline.config.schema import SimulatedEngineConfig
         from pipeline.engines.simulated import SimulatedEngine
 
         engine = SimulatedEngine(SimulatedEngineConfig(latency_s=0.002, completion_tokens=8), name="served")
-        self.stub = VLLMServerStub(engine, model_name=str(self.model_path), port=self.port)
+        self.stub = VLLMStandIn(engine, model_name=str(self.model_path), port=self.port)
         return await self.stub.start()
 
     async def start(self, timeout_s: float = 600.0) -> str:

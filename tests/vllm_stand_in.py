@@ -1,9 +1,15 @@
-"""A stand-in for vLLM 0.24's OpenAI-compatible HTTP server (`vllm serve`), in process, for CPU tests.
+"""The one stand-in for vLLM 0.24's `vllm serve`, for CPU tests: its OpenAI-compatible HTTP server
+over one of the repo's in-process engines, in the test's process or as a process of its own.
+
+In process, `VLLMStandIn(engine).start()` serves on the caller's event loop (the HTTP engine's
+tests, the engine contract over HTTP, scoring and episodes through a server). As a process,
+`python vllm_stand_in.py MODEL --port P [vLLM's flags] [knobs]` is what VLLMServeProcess starts
+in place of `vllm serve` (its `program`, or engine.vllm_server.command): see `main`.
 
 It answers the routes the pipeline's HTTP engine uses with vLLM 0.24's JSON shapes, messages and
 status codes (read from vllm/entrypoints/{openai,serve}/ of the 0.24 source), and samples with
-one of the repo's in-process engines, so that token ids and log-probs are real ones that a
-trainer in the same test can check.
+the wrapped engine, so that token ids and log-probs are real ones that a trainer in the same test
+can check.
 
 Invariants:
 - Routes: GET /health; GET /v1/models; POST /v1/completions; POST /v1/load_lora_adapter and
@@ -20,18 +26,21 @@ Invariants:
   -9999 as vLLM clamps them.
 - A completion whose client disconnects, or that is running when `close()` is called, has its
   generate call cancelled and is counted in `aborted`; it gets no answer.
-- A stub lives on the event loop it was started on (aiohttp's runner and its asyncio primitives);
-  `start()` after `close()` listens on the same port again, as a restarted server would.
+- A stand-in lives on the event loop it was started on (aiohttp's runner and its asyncio
+  primitives); `start()` after `close()` listens on the same port again, as a restarted server would.
 - The server behaves as `vllm serve --skip-tokenizer-init` unless a `decode` function is given:
   choice text is the engine's Completion.text (usually ""), and log-probs need
   `return_tokens_as_token_ids` (tokens read "token_id:<id>").
 - An adapter's version is the "version" of the manifest.json in its directory (the
   AdapterStore writes one), else the number in an AdapterStore directory name
-  ("v000007-1a2b3c4d"), else a per-stub counter from 1 (the same path keeps its number on a
+  ("v000007-1a2b3c4d"), else a per-server counter from 1 (the same path keeps its number on a
   reload). The AdapterRef's name is the lora_name, its path the lora_path.
 - Unloading removes the name from the registry (as vLLM does) and, unlike vLLM (which leaves
   the adapter in its engine's cache until evicted), also calls `engine.unload_adapter` when no
   other registered name holds the same version, so a long test keeps the engine bounded.
+- As a process: its first line of output is one JSON object (its argv, pid, and the environment
+  variables the launcher sets), before anything can fail; SIGTERM ends it at once (its default
+  action), so the launcher reads -SIGTERM as its end, unless a knob says to ignore it.
 
 Not reproduced: streaming (`stream: true` answers 400), text prompts and batches of prompts
 (only one list of token ids), top log-probs beyond the sampled token (exact for `logprobs: 0`),
@@ -40,13 +49,18 @@ FastAPI's exact pydantic validation messages (the status, type and param match),
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import hashlib
 import itertools
 import json
 import math
+import os
 import re
 import secrets
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import defaultdict
@@ -54,11 +68,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from aiohttp import web
+if __name__ == "__main__":  # run as `vllm serve`: the package of this checkout, wherever the interpreter is
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config.schema import SamplingConfig
-from pipeline.engines.base import Engine
-from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt
+from aiohttp import web  # noqa: E402
+
+from pipeline.config.schema import SamplingConfig  # noqa: E402
+from pipeline.engines.base import Engine  # noqa: E402
+from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt  # noqa: E402
 
 VLLM_VERSION = "0.24.0"
 GUARDED_PREFIX = ("/v1", "/v2", "/inference")  # vLLM's AuthenticationMiddleware guards these
@@ -133,26 +150,27 @@ def _field(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], de
 
 @dataclass(frozen=True)
 class _Lora:
-    """A registered adapter: vLLM's LoRARequest as the stub keeps it."""
+    """A registered adapter: vLLM's LoRARequest as the stand-in keeps it."""
 
     name: str
     path: str
     ref: AdapterRef
 
 
-class VLLMServerStub:
+class VLLMStandIn:
     """vLLM 0.24's HTTP server over an in-process Engine, on the caller's event loop."""
 
     def __init__(self, engine: Engine, *, model_name: str = "base-model", model_path: str | None = None,
-                 max_model_len: int = 2048, runtime_lora: bool = True, api_key: str | None = None, port: int = 0,
-                 sampling: SamplingConfig | None = None, generation_config: Mapping[str, float] | None = None,
+                 max_model_len: int = 2048, runtime_lora: bool = True, api_key: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, sampling: SamplingConfig | None = None,
+                 generation_config: Mapping[str, float] | None = None,
                  decode: Callable[[Sequence[int]], str] | None = None) -> None:
         """Serve `engine` as `model_name` (its card's root is `model_path`, default the name).
 
-        port: where to listen on 127.0.0.1; 0 = a free port, chosen at the first `start()`.
+        host, port: where to listen; port 0 = a free port, chosen at the first `start()`.
 
         sampling: what the engine samples with; a request asking for other settings answers 400
-            (a stub check, not vLLM's: the log-probs it reports would not be the request's). None:
+            (a stand-in check, not vLLM's: the log-probs it reports would not be the request's). None:
             the engine's own `sampling` (TransformersEngine has one), else no check.
         generation_config: the sampling defaults vLLM would read from the model's
             generation_config.json for fields a request leaves out; None: vLLM's own defaults.
@@ -189,12 +207,13 @@ class VLLMServerStub:
         self._handlers: set[asyncio.Task[Any]] = set()  # completion handlers running
         self._changed = asyncio.Event()  # set (and replaced) whenever in_flight changes
         self._runner: web.AppRunner | None = None
-        self._port = port  # kept across close(): a restarted stub listens where it did
+        self._host = host
+        self._port = port  # kept across close(): a restarted stand-in listens where it did
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> str:
-        """Listen on 127.0.0.1 (a free port; after `close()`, the same one) and return the base URL.
+        """Listen on the host and port (after `close()`, the same port) and return the base URL.
 
         A start after `close()` is a server restart: no adapter is registered.
         """
@@ -211,14 +230,15 @@ class VLLMServerStub:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         try:
-            await web.TCPSite(runner, "127.0.0.1", self._port).start()
+            await web.TCPSite(runner, self._host, self._port).start()
         except BaseException:
             await runner.cleanup()
             raise
         self._runner = runner
         self._port = runner.addresses[0][1]
         self._loras.clear()
-        self.url = f"http://127.0.0.1:{self._port}"
+        # a server on every interface is still reached through this host's loopback
+        self.url = f"http://{'127.0.0.1' if self._host in ('0.0.0.0', '') else self._host}:{self._port}"
         return self.url
 
     async def close(self) -> None:
@@ -316,7 +336,7 @@ class VLLMServerStub:
                                     "the adapter in place, set 'load_inplace' to True.", "InvalidUserInput")
             if self.fail_next_loads > 0:
                 self.fail_next_loads -= 1
-                raise ApiError(500, f"stub: injected failure loading lora adapter '{name}'", "InternalServerError")
+                raise ApiError(500, f"stand-in: injected failure loading lora adapter '{name}'", "InternalServerError")
             if not (Path(path) / "adapter_config.json").is_file():
                 # vLLM's worker turns the FileNotFoundError of reading adapter_config.json into this
                 raise ApiError(404, f"Loading lora {name} failed: No adapter found for {path}", "NotFoundError")
@@ -376,13 +396,13 @@ class VLLMServerStub:
             raise _invalid_body("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         if not isinstance(prompt, list) or not prompt or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise _bad_request("stub: only a single non-empty list of token ids (>= 0) is supported as prompt",
+            raise _bad_request("stand-in: only a single non-empty list of token ids (>= 0) is supported as prompt",
                                "prompt")
         logprobs = _field(body, "logprobs", int, None)
         if logprobs is not None and logprobs < 0:
             raise _invalid_body("`logprobs` must be a positive value.", "logprobs")
         if _field(body, "stream", bool, False):
-            raise _bad_request("stub: stream=true is not supported", "stream")
+            raise _bad_request("stand-in: stream=true is not supported", "stream")
         n = _field(body, "n", int, 1)
         max_tokens = _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
         seed = _field(body, "seed", int, None)
@@ -410,7 +430,7 @@ class VLLMServerStub:
         self._check_engine_sampling(settings)
         if self.fail_next_completions > 0:
             self.fail_next_completions -= 1
-            raise ApiError(500, "stub: injected failure of this completion", "InternalServerError")
+            raise ApiError(500, "stand-in: injected failure of this completion", "InternalServerError")
 
         request_id = f"cmpl-{request.headers.get('X-Request-Id') or _random_id()}"
         group = GroupRequest(group_id=next(self._group_ids), prompt=Prompt(request_id, "", tuple(prompt)),
@@ -439,7 +459,7 @@ class VLLMServerStub:
 
     @staticmethod
     def _check_sampling_params(n: int, max_tokens: int, s: Mapping[str, float]) -> None:
-        """SamplingParams._verify_args of vLLM 0.24 for the fields the stub takes."""
+        """SamplingParams._verify_args of vLLM 0.24 for the fields the stand-in takes."""
         if n < 1:
             raise _bad_request(f"n must be at least 1, got {n}.")
         for k in ("presence_penalty", "frequency_penalty"):
@@ -462,7 +482,7 @@ class VLLMServerStub:
             raise _bad_request(f"n must be 1 when using greedy sampling, got {n}.")
 
     def _check_engine_sampling(self, s: Mapping[str, float]) -> None:
-        """Refuse settings the wrapped engine does not sample with (a stub check, not vLLM's)."""
+        """Refuse settings the wrapped engine does not sample with (a stand-in check, not vLLM's)."""
         if self.sampling is None:
             return
         for k in s:
@@ -470,7 +490,7 @@ class VLLMServerStub:
             if k == "top_k" and asked == -1:
                 asked = 0  # vLLM takes -1 as "off", as 0
             if asked != engine:
-                raise _bad_request(f"stub: this request samples with {k}={asked} but the wrapped engine samples "
+                raise _bad_request(f"stand-in: this request samples with {k}={asked} but the wrapped engine samples "
                                    f"with {k}={engine}; the log-probs it reports would not be the request's", k)
 
     async def _generate(self, group: GroupRequest, adapter: AdapterRef) -> Generation:
@@ -530,3 +550,77 @@ class VLLMServerStub:
             at += len(token)
         return {"text_offset": offsets, "token_logprobs": clamped, "tokens": tokens,
                 "top_logprobs": [{token: lp} for token, lp in zip(tokens, clamped)]}
+
+
+# --------------------------------------------------------------------------- as a process
+
+# a grandchild that ignores SIGTERM, as vLLM's engine core stuck in its shutdown; it says "ready" once it does
+_STUCK_CHILD = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); "
+                "time.sleep(60)")
+_LAUNCHER_ENV = ("CUDA_VISIBLE_DEVICES", "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PYTHONUNBUFFERED")
+
+
+def _engine(a: argparse.Namespace) -> Engine:
+    """What samples behind the server: the model at MODEL, or the simulated engine (no model needed)."""
+    if a.stand_in_engine == "simulated":
+        from pipeline.engines.simulated import SimulatedEngine
+        return SimulatedEngine(name="stand-in")
+    from pipeline.config.schema import TransformersEngineConfig
+    from pipeline.engines.transformers import TransformersEngine
+    return TransformersEngine(a.model, sampling=SamplingConfig(), cfg=TransformersEngineConfig(), device="cpu",
+                              max_loaded_adapters=a.max_loras + 1, name="stand-in")
+
+
+async def _serve(a: argparse.Namespace) -> None:
+    """Serve MODEL until the process is killed (SIGTERM's default action ends it)."""
+    engine = _engine(a)
+    await engine.start()
+    server = VLLMStandIn(engine, model_name=a.model, host=a.host, port=a.port, max_model_len=a.max_model_len,
+                         runtime_lora=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"))
+    await server.start()
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    """`vllm serve MODEL --host H --port P [vLLM's flags] [knobs]` as the launcher runs it.
+
+    It serves MODEL under its path, as `vllm serve MODEL` names it, with --max-loras adapters at most,
+    and registers the LoRA routes only under VLLM_ALLOW_RUNTIME_LORA_UPDATING (as vLLM does); vLLM's
+    other flags are read and ignored. Its first line is one JSON object: {"argv", "pid", "env"}, env
+    the variables the launcher sets. The knobs play a server's ways of starting and ending:
+      --stand-in-engine simulated  sample with the simulated engine: MODEL need not exist
+      --stand-in-delay S      listen only after S seconds (a server still loading its model)
+      --stand-in-exit CODE    print an error and exit with CODE instead (a bad flag, a GPU out of memory)
+      --stand-in-ignore-term  ignore SIGTERM (a server stuck in its shutdown)
+      --stand-in-child        first start a child that ignores SIGTERM (an engine core stuck in its
+                              shutdown) and print {"child": pid}
+    """
+    p = argparse.ArgumentParser(prog="vllm_stand_in.py")
+    p.add_argument("model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-loras", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--stand-in-engine", choices=("transformers", "simulated"), default="transformers")
+    p.add_argument("--stand-in-delay", type=float, default=0.0)
+    p.add_argument("--stand-in-exit", type=int)
+    p.add_argument("--stand-in-ignore-term", action="store_true")
+    p.add_argument("--stand-in-child", action="store_true")
+    a, _ = p.parse_known_args()  # vLLM's other flags
+    env = {k: os.environ.get(k) for k in _LAUNCHER_ENV}
+    print(json.dumps({"argv": sys.argv[1:], "pid": os.getpid(), "env": env}), flush=True)
+    if a.stand_in_ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if a.stand_in_child:
+        child = subprocess.Popen([sys.executable, "-c", _STUCK_CHILD], stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"  # SIGTERM is ignored now
+        print(json.dumps({"child": child.pid}), flush=True)
+    if a.stand_in_exit is not None:
+        print("ValueError: the stand-in was told to fail", flush=True)
+        sys.exit(a.stand_in_exit)
+    time.sleep(a.stand_in_delay)
+    asyncio.run(_serve(a))
+
+
+if __name__ == "__main__":
+    main()

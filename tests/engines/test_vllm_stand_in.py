@@ -1,19 +1,31 @@
-"""The vLLM server stub answers vLLM 0.24's shapes with the wrapped engine's real tokens and log-probs."""
+"""tests/vllm_stand_in.py: the `vllm serve` stand-in answers vLLM 0.24's shapes with the wrapped engine's
+real tokens and log-probs, in process and as a process of its own."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
+import pytest
 
 from pipeline.config.schema import SimulatedEngineConfig
+from pipeline.engines.vllm_launch import free_port
 from pipeline.engines.simulated import SimulatedEngine
 from pipeline.types import AdapterRef, GroupRequest, Prompt
-from vllm_server_stub import VLLMServerStub
+from vllm_stand_in import VLLMStandIn
+
+STAND_IN = Path(__file__).resolve().parents[1] / "vllm_stand_in.py"
 
 
 async def _sim(latency_s: float = 0.0) -> SimulatedEngine:
@@ -38,8 +50,8 @@ def _error(status: int, body: Any, err_type: str, param: str | None = None) -> s
 def test_completion_returns_the_engines_tokens_and_logprobs() -> None:
     async def main() -> None:
         engine = await _sim()
-        stub = VLLMServerStub(engine, model_name="base-model")
-        url = await stub.start()
+        server = VLLMStandIn(engine, model_name="base-model")
+        url = await server.start()
         try:
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"{url}/v1/models") as r:
@@ -52,10 +64,10 @@ def test_completion_returns_the_engines_tokens_and_logprobs() -> None:
                         "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
                 status, out = await _post(s, f"{url}/v1/completions", body)
         finally:
-            await stub.close()
+            await server.close()
         assert status == 200, out
-        assert stub.requests == [body]
-        # the stub's first group is group 0: the same call in process gives the same samples
+        assert server.requests == [body]
+        # the server's first group is group 0: the same call in process gives the same samples
         want = await engine.generate(GroupRequest(0, Prompt("x", "", (5, 6, 7)), n=3, max_new_tokens=4),
                                      AdapterRef.base())
         assert out["object"] == "text_completion" and out["model"] == "base-model" and out["id"].startswith("cmpl-")
@@ -82,8 +94,8 @@ def test_adapters_and_errors_answer_as_vllm(tmp_path: Path) -> None:
 
     async def main() -> None:
         engine = await _sim()
-        stub = VLLMServerStub(engine, model_name="base-model")
-        url = await stub.start()
+        server = VLLMStandIn(engine, model_name="base-model")
+        url = await server.start()
         try:
             async with aiohttp.ClientSession() as s:
                 status, out = await _post(s, f"{url}/v1/completions", {"model": "v1", "prompt": [1], "max_tokens": 2})
@@ -117,7 +129,7 @@ def test_adapters_and_errors_answer_as_vllm(tmp_path: Path) -> None:
                 assert (status, out) == (200, f"Success: LoRA adapter '{adapter.name}' removed successfully.")
                 assert 7 not in engine.loaded_versions
         finally:
-            await stub.close()
+            await server.close()
 
     asyncio.run(main())
 
@@ -125,8 +137,8 @@ def test_adapters_and_errors_answer_as_vllm(tmp_path: Path) -> None:
 def test_api_key_and_client_disconnect_abort() -> None:
     async def main() -> None:
         engine = await _sim(latency_s=30.0)
-        stub = VLLMServerStub(engine, api_key="secret", runtime_lora=False)
-        url = await stub.start()
+        server = VLLMStandIn(engine, api_key="secret", runtime_lora=False)
+        url = await server.start()
         body = {"prompt": [1, 2], "max_tokens": 2}
         try:
             async with aiohttp.ClientSession() as s:
@@ -138,12 +150,71 @@ def test_api_key_and_client_disconnect_abort() -> None:
                 status, out = await _post(s, f"{url}/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/x"})
                 assert (status, out) == (404, {"detail": "Not Found"})  # runtime LoRA off: no such route
                 call = asyncio.create_task(_post(s, f"{url}/v1/completions", body))
-                await asyncio.wait_for(stub.wait_for_in_flight(1), 5)
+                await asyncio.wait_for(server.wait_for_in_flight(1), 5)
                 call.cancel()  # the client goes away: the server cancels the engine call
                 await asyncio.gather(call, return_exceptions=True)
-            await asyncio.wait_for(stub.wait_for_in_flight(0), 5)
-            assert stub.aborted == 1 and engine.stats["cancelled"] == 1
+            await asyncio.wait_for(server.wait_for_in_flight(0), 5)
+            assert server.aborted == 1 and engine.stats["cancelled"] == 1
         finally:
-            await stub.close()
+            await server.close()
 
     asyncio.run(main())
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # 127.0.0.1, whatever http_proxy says
+
+
+def _call(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    """(status, JSON answer or None) of a GET, or of a POST of `body`."""
+    request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _DIRECT.open(request, timeout=2) as r:
+            status, text = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read()
+    return status, json.loads(text) if text else None
+
+
+@pytest.mark.parametrize("runtime_lora", [False, True], ids=["no-runtime-lora", "runtime-lora"])
+def test_as_a_process_it_serves_the_model_by_its_path_and_ends_on_sigterm(tmp_path: Path,
+                                                                          runtime_lora: bool) -> None:
+    """The command line VLLMServeProcess runs: its first line says what it was given, it serves MODEL
+    under its path, the LoRA routes exist only under VLLM_ALLOW_RUNTIME_LORA_UPDATING (as vLLM's), and
+    SIGTERM ends it by the signal."""
+    port = free_port()
+    model = str(tmp_path / "no-model-here")  # the simulated engine reads nothing
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ALLOW_RUNTIME_LORA_UPDATING"}
+    if runtime_lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    proc = subprocess.Popen([sys.executable, str(STAND_IN), model, "--port", str(port), "--max-num-seqs", "8",
+                             "--stand-in-engine", "simulated"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        assert first["argv"][:3] == [model, "--port", str(port)] and first["pid"] == proc.pid
+        assert first["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == ("True" if runtime_lora else None)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if _call(f"{url}/health")[0] == 200:
+                    break
+            except OSError:  # not listening yet
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, "the stand-in did not come up"
+            time.sleep(0.05)
+        status, models = _call(f"{url}/v1/models")
+        assert status == 200 and [m["id"] for m in models["data"]] == [model]
+        status, answer = _call(f"{url}/v1/unload_lora_adapter", {"lora_name": "a"})
+        if runtime_lora:  # the route exists and says the name is unknown
+            assert status == 404 and answer["error"]["type"] == "NotFoundError", answer
+        else:  # no such route
+            assert (status, answer) == (404, {"detail": "Not Found"})
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
