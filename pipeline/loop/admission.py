@@ -1,8 +1,9 @@
 """Admission: ledger ids to admitted groups under the staleness bound, and on to generation.
 
 Invariants:
-- An id is admitted only when the buffer admits it (the staleness bound and capacity); an id
-  handed out but not admitted is given back to the ledger, to be handed out again first.
+- An id is admitted only when the buffer admits it (the staleness bound and capacity), through
+  `Outcomes`, which makes its group live in the same call; an id handed out but not admitted is
+  given back to the ledger, to be handed out again first.
 - Each item of the prompt source becomes a Prompt once, however often the stream draws it; an item
   that cannot be one is refused on its own (settled "refused" in the ledger with its reason),
   logged for the first few of each reason, and if every item of the source is refused with none
@@ -67,7 +68,7 @@ class Admitter:
             if prompt is None:
                 await asyncio.sleep(0)  # a run of refusals must not hold the loop: signal handlers run on it
                 continue
-            adm = await self.buffer.admit(gid)
+            adm = await self.outcomes.admit(gid, prompt)
             if adm is None:
                 self.ledger.give_back(gid)
                 return
@@ -80,10 +81,10 @@ class Admitter:
                     break  # refusals end the wave: the outer loop yields between them
                 ids.append(gid)
                 prompts.append(prompt)
-            adms = [adm, *self.buffer.try_admit_many(ids[1:])]
+            adms = [adm, *self.outcomes.admit_now(ids[1:], prompts[1:])]
             for gid in reversed(ids[len(adms):]):  # not started (nothing awaited since `room`, so none)
                 self.ledger.give_back(gid)
-            wave = self._start(adms, prompts)
+            wave = self._requests(adms, prompts)
             for i in range(0, len(wave), max_wave):
                 part = wave[i:i + max_wave]
                 if max_wave == 1:
@@ -119,8 +120,8 @@ class Admitter:
                               f"{self.refusals.items} distinct prompts, none usable ({self.refusals.describe()})")
         return None
 
-    def _start(self, adms: list[Admission], prompts: list[Prompt]) -> list[tuple[Admission, GroupRequest]]:
-        """Admitted groups are in flight: each one's request, and its entry among the live groups."""
+    def _requests(self, adms: list[Admission], prompts: list[Prompt]) -> list[tuple[Admission, GroupRequest]]:
+        """Each admitted group's request to the engines."""
         sampling = self.sampling
         base = self.seed * 1_000_003
         wave = []
@@ -129,5 +130,4 @@ class Admitter:
             gid = adm.group_id
             seed = (base + gid) % 2**31 if sampling.per_request_seed else None
             wave.append((adm, GroupRequest(gid, prompt, sampling.n, sampling.max_new_tokens, seed)))
-        self.outcomes.start(adms, prompts)
         return wave

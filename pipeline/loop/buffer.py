@@ -34,6 +34,10 @@ Invariants:
   of them still in flight. Without failures or drops that is exactly the B groups i // B = t.
 - Accounting at every moment: started = trained + training + buffered + in_flight + dropped
   + failed ("training": selected for a step that has not finished; `commit` or `abandon` it).
+- The buffer knows a group only as far as the bound and the selection need (its version while
+  in flight, the scored group while stored). Its calls that start, store, select or end a group
+  are made by `pipeline.loop.outcomes.Outcomes`, the owner of a group's life, each beside the
+  group's own record there and its exit into the ledger and the RolloutLog.
 """
 
 from __future__ import annotations
@@ -259,11 +263,17 @@ class RolloutBuffer:
             if len(self._completed) >= self.B or not self._in_flight:
                 self._cond.notify_all()
 
-    async def fail(self, group_id: int, reason: str) -> None:
-        """An in-flight group failed (generation or reward); its slot is given back."""
+    async def fail(self, group_id: int, reason: str) -> tuple[str, str]:
+        """An in-flight group failed (generation or reward); its slot is given back. Once the
+        buffer is closed it counts as dropped ("shutdown"): shutdown, not the group, ended it.
+        Returns the fate and reason counted."""
         async with self._cond:
+            if self._closed:
+                self.drop_nowait(group_id, "shutdown")
+                return "dropped", "shutdown"
             self.fail_nowait(group_id, reason)
             self._cond.notify_all()
+            return "failed", reason
 
     async def drop(self, group_id: int, reason: str) -> None:
         """An in-flight group is dropped before buffering (e.g. filtered); its slot is given back."""
@@ -373,10 +383,6 @@ class RolloutBuffer:
 
     def is_in_flight(self, group_id: int) -> bool:
         return group_id in self._in_flight
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def in_flight_versions(self) -> list[int]:
         return list(self._in_flight.values())

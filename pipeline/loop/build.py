@@ -2,8 +2,9 @@
 prompt sets, each by kind.
 
 Invariants:
-- Bad input found here is a ConfigError naming the key (a CUDA device this machine lacks, a
-  model.path that gives no tokenizer, no eval prompts while eval.every is set).
+- Bad input found here is a ConfigError naming the key (the preflight's first: a missing file or
+  package, a CUDA device this machine lacks; then a model.path that gives no tokenizer, no eval
+  prompts while eval.every is set).
 - Nothing here starts anything but `start`: engines and the trainer are built, not started;
   `start` and `close` bound every wait by a timeout.
 """
@@ -29,16 +30,11 @@ log = structlog.get_logger(__name__)
 
 
 def check_devices(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool) -> None:
-    """Each CUDA device the pipeline builds an engine or the trainer on exists (ConfigError naming its key)."""
-    from pipeline.devices import check_cuda_devices
+    """The preflight, before anything is built: the files and packages the config names, and each CUDA
+    device the pipeline builds an engine or the trainer on, exist (ConfigError naming its key)."""
+    from pipeline.loop.preflight import preflight
 
-    named: list[tuple[str, str]] = []
-    if builds_engines and cfg.engine.kind in ("transformers", "vllm"):
-        named += [(f"engine.devices[{i}]", d) for i, d in enumerate(cfg.engine.devices)]
-    if builds_trainer and cfg.trainer.kind == "peft":
-        named += [(f"trainer.devices[{i}]" if cfg.trainer.devices else "trainer.device", d)
-                  for i, d in enumerate(cfg.trainer.rank_devices)]
-    check_cuda_devices(named)
+    preflight(cfg, builds_engines=builds_engines, builds_trainer=builds_trainer)
 
 
 def rewards(cfg: RunConfig, reward: Any, weights: Sequence[float] | None, own_prompts: bool,
@@ -269,10 +265,10 @@ def build_trainer(cfg: RunConfig, model_path: str | None, process: Any = None) -
     """The trainer of trainer.kind: peft LoRA (or full weights) in its own process (`process`, when
     started early) or a thread, or simulated."""
     if cfg.trainer.kind == "simulated":
-        from pipeline.trainer.policy import SimulatedTrainer
+        from pipeline.trainer.simulated import SimulatedTrainer
 
         return SimulatedTrainer(cfg.trainer.step_s, update=cfg.trainer.update)
-    from pipeline.trainer.policy import LoRATrainer
+    from pipeline.trainer.policy import PolicyTrainer
     from pipeline.trainer.process import ProcessTrainer
     from pipeline.trainer.ranks import RankedTrainer
 
@@ -284,10 +280,10 @@ def build_trainer(cfg: RunConfig, model_path: str | None, process: Any = None) -
         if tc.devices and not tc.threads:  # the trainer's share of the cores, split between its ranks
             threads = max(1, threads // len(tc.devices))
         tc = replace(tc, threads=threads)
-    cls = RankedTrainer if tc.devices else ProcessTrainer if tc.separate_process else LoRATrainer
+    cls = RankedTrainer if tc.devices else ProcessTrainer if tc.separate_process else PolicyTrainer
     # aggregation = "constant" divides by sequences x norm_tokens; 0 there means the completion cap
     loss = replace(cfg.loss, norm_tokens=cfg.loss.norm_tokens or cfg.sampling.max_new_tokens)
-    kwargs = {"process": process} if cls is not LoRATrainer else {}
+    kwargs = {"process": process} if cls is not PolicyTrainer else {}
     return cls(model_path, tc, loss, seed=cfg.seed, trust_remote_code=cfg.model.trust_remote_code,
                keep_versions=cfg.pipeline.max_staleness + 2, deterministic=cfg.deterministic, **kwargs)
 

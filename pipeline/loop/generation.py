@@ -30,6 +30,7 @@ from pipeline.loop.episodes import Episodes
 from pipeline.errors import EngineDeadError, GenerationError, RecoverableError
 from pipeline.loop.outcomes import Outcomes
 from pipeline.loop.rotation import EngineRotation
+from pipeline.observe.metrics import Count
 from pipeline.types import AdapterRef, Generation, GroupRequest
 from pipeline.loop.versions import Versions
 
@@ -54,7 +55,7 @@ class Generator:
         self.cfg = cfg
         self._spawn = spawn
         self._accept = accept  # generated groups go on to scoring
-        self.retries = 0  # attempts retried, over the session
+        self.retries = Count()  # attempts retried, over the session (Reporting reads it)
 
     async def group_task(self, adm: Admission, request: GroupRequest, attempt: int = 0) -> None:
         """Generates one group and hands it to scoring; a group that fails for good is settled."""

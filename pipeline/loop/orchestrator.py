@@ -1,14 +1,14 @@
 """The Pipeline: builds the components from a config, in data-flow order, and supervises their loops.
 
     ledger ids ─► Admitter.admission_loop ─► Generator (group / wave tasks) ─► Scoring.accept ─► buffer
-                  buffer.admit(): the        engine calls through the          decode, rewards,     │ EDF
+                  Outcomes.admit(): the      engine calls through the          decode, rewards,     │ EDF
                   staleness bound            EngineRotation, retried           filters              ▼ batch
     serving version ◄─ Versions.adapter_loop ◄─ AdapterStore.publish ◄──────── Training.train_loop
                        verify, load on every engine  (shared filesystem)       trainer.step (thread)
     Episodes (with an environment) ─► in place of one engine call: the group's n episodes, turn by turn
     Evaluator.eval_loop ─► rounds at step 0, every eval.every steps and at the end, on the same engines
-    Outcomes ─► ledger + RolloutLog (zarr): every group that leaves, once: trained at step s, dropped,
-                failed, or an eval group; flush_loop writes them about once a second
+    Outcomes: each group's life, admit ─► buffered ─► select ─► trained | dropped | failed, one call
+              each (the buffer's side with it); its one exit into the ledger + RolloutLog (zarr)
     Reporting ─► metrics.jsonl, trackers, summary.json, report.png; checkpoints/ ◄─ Training
 
 Invariants:
@@ -58,7 +58,7 @@ from pipeline.loop.runtime import Runtime, Supervisor
 from pipeline.loop.scoring import Scoring, Texts, reward_names
 from pipeline.loop.session import continue_trainer, open_run_dir, open_session, refuse_existing_run
 from pipeline.loop.training import Training
-from pipeline.loop.versions import VersionPins, Versions
+from pipeline.loop.versions import VersionPins, Versions, VersionSet
 
 log = structlog.get_logger(__name__)
 
@@ -242,21 +242,20 @@ class Pipeline:
                                     max_groups=(pc.steps - self.start_step) * pc.batch_groups,
                                     start_version=self.start_version, deterministic=cfg.deterministic)
         self.outcomes = Outcomes(self.ledger, self.rollout_log, self.buffer)
+        pins = VersionPins()  # versions evaluation rounds sample with
+        version_set = VersionSet(buffer=self.buffer, pins=pins, start_version=self.start_version)
         self.rotation = EngineRotation(self.engines, built=self._user_engines is None, cfg=cfg.engine,
                                        close_timeout_s=pc.shutdown_timeout_s, spawn=self.supervisor.spawn,
-                                       refs_in_use=lambda: self.versions.refs_in_use(),
-                                       load_one=lambda e, ref: self.versions.load_one(e, ref))
-        pins = VersionPins()  # versions evaluation rounds sample with
-        self.versions = Versions(rotation=self.rotation, store=self.store, buffer=self.buffer, pins=pins,
-                                 max_staleness=pc.max_staleness, load_timeout_s=cfg.engine.load_timeout_s,
-                                 full_weights=cfg.trainer.update == "full", start_version=self.start_version)
+                                       in_use=version_set)
+        self.versions = Versions(rotation=self.rotation, version_set=version_set, store=self.store, buffer=self.buffer,
+                                 pins=pins, max_staleness=pc.max_staleness, full_weights=cfg.trainer.update == "full")
         self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path, self._early_trainer)
         self.setup.update(await build.start(self.engines, self.trainer, cfg.engine.start_timeout_s))
         builder = build.prompt_builder(cfg, self.tokenizer, self.model_path, self.engines)  # needs started engines
         if session.checkpoint is not None:
             await continue_trainer(self.trainer, session.checkpoint, self.store, self.versions, self.start_version)
 
-        self.scoring = Scoring(texts=Texts(self.tokenizer), scorer=self.scorer, buffer=self.buffer, ledger=self.ledger,
+        self.scoring = Scoring(texts=Texts(self.tokenizer), scorer=self.scorer,
                                outcomes=self.outcomes, filter_zero_advantage=pc.filter_zero_advantage,
                                spans=self.timeline["generation"], env_reward=env_reward)
         episodes = build.episodes(cfg, self._environment, builder, self.tokenizer)
@@ -276,10 +275,11 @@ class Pipeline:
                                    outcomes=self.outcomes, write_row=self.reporting.write, batch=batch,
                                    done=session.eval_done, rows=self.eval_rows) if eval_items else None
         self.reporting.watch(buffer=self.buffer, rotation=self.rotation, versions=self.versions,
-                             generator=self.generator, scoring=self.scoring, reward_names=self.scoring.names,
+                             retries=self.generator.retries, version_mismatches=self.scoring.version_mismatches,
+                             reward_names=self.scoring.names,
                              full_weights=cfg.trainer.update == "full")
         self.training = Training(
-            cfg=cfg, trainer=self.trainer, store=self.store, buffer=self.buffer, ledger=self.ledger,
+            cfg=cfg, trainer=self.trainer, store=self.store, ledger=self.ledger,
             rollout_log=self.rollout_log, outcomes=self.outcomes, versions=self.versions,
             checkpoints=session.checkpoints, reporting=self.reporting, evaluator=self.evaluator,
             trainer_busy=self.reporting.trainer_busy, timeline=self.timeline["training"], stop=self._stop,
@@ -315,11 +315,9 @@ class Pipeline:
         wall = time.monotonic() - self._t_start
         self.runtime.remove_signal_handlers()
         if self._ready:  # the buffer first: no loop may take a group from it once cancelled
-            left, _ = await self.buffer.close()
-            self.outcomes.drop_groups(left, "shutdown")
+            await self.outcomes.close()
         await self.supervisor.cancel_all(timeout)
         if self._ready:
-            self.outcomes.drop_groups(self.training.abandon("shutdown"), "shutdown")
             self.outcomes.drop_live("shutdown")
         await self.lag.stop()
         if self._user_engines and self._ready:

@@ -1,7 +1,9 @@
-"""The engine rotation: which engines take calls, how loaded each is, and restarting those that fail.
+"""The engine rotation: which engines take calls and loads, how loaded each is, and restarting those that fail.
 
 One record per engine (`EngineSlot`) holds its state: in rotation or not, calls in flight,
 consecutive failed calls, its epoch (times it left the rotation) and its restart counts.
+What a restarted engine must load comes from a `VersionsInUse`, given at construction: the
+rotation knows adapter references, not who publishes or serves them.
 
 Invariants:
 - A call goes to the least loaded engine in rotation (`call()`); while none is in rotation and
@@ -13,6 +15,8 @@ Invariants:
   engine.restart_backoff_s, started, the adapter versions in use loaded) up to engine.restarts
   attempts, each counted whether it worked or not. An engine the caller passed in is never
   restarted.
+- A load on every engine (`load_on_engines`) covers an engine that comes back into rotation while
+  the others load; an engine that dies meanwhile leaves the rotation and the others load on.
 - With no engine in rotation and none being restarted, `no_engine_error()` is the run's error.
 """
 
@@ -22,7 +26,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 import structlog
 
@@ -32,6 +36,28 @@ from pipeline.errors import AdapterError, EngineDeadError
 from pipeline.types import AdapterRef
 
 log = structlog.get_logger(__name__)
+
+
+async def settled(coros: list[Any]) -> list[Any]:
+    """Each coroutine's result or exception, in order, run concurrently: `gather(...,
+    return_exceptions=True)`, except that one coroutine is awaited in place (a task per engine
+    costs more than a simulated engine's load, twice a step)."""
+    if len(coros) != 1:
+        return await asyncio.gather(*coros, return_exceptions=True)
+    try:
+        return [await coros[0]]
+    except asyncio.CancelledError as e:
+        if asyncio.current_task().cancelling():  # we are being cancelled: gather would be too
+            raise
+        return [e]  # the coroutine's own cancellation: gather returns it as its result
+    except Exception as e:  # returned, as gather(return_exceptions=True) does
+        return [e]
+
+
+class VersionsInUse(Protocol):
+    """The adapter versions an engine must hold before it takes calls (`pipeline.loop.versions.VersionSet`)."""
+
+    def refs_in_use(self) -> list[AdapterRef]: ...
 
 
 @dataclass
@@ -57,17 +83,14 @@ class EngineRotation:
     """The engines of a run, their records, the calls they take and their restarts."""
 
     def __init__(self, engines: Sequence[Engine], *, built: bool, cfg: EngineConfig, close_timeout_s: float,
-                 spawn: Callable[[Any, str], asyncio.Task[Any]],
-                 refs_in_use: Callable[[], list[AdapterRef]],
-                 load_one: Callable[[Engine, AdapterRef], Awaitable[None]]) -> None:
+                 spawn: Callable[[Any, str], asyncio.Task[Any]], in_use: VersionsInUse) -> None:
         self.cfg = cfg
         self.slots = [EngineSlot(e, built) for e in engines]
         self._by_name = {s.engine.name: s for s in self.slots}
         self._order: list[EngineSlot] = list(self.slots)  # engines in rotation, in the order they (re)joined
         self._close_timeout_s = close_timeout_s
         self._spawn = spawn
-        self._refs_in_use = refs_in_use  # versions a restarted engine must load before it serves
-        self._load_one = load_one
+        self._in_use = in_use  # the versions a restarted engine must load before it serves
         self._grew = asyncio.Event()  # set (then replaced) when an engine returns or a restart gives up
 
     # ------------------------------------------------------------------ who is in rotation
@@ -155,6 +178,44 @@ class EngineRotation:
                                f"failed engine.max_consecutive_errors = {cfg.max_consecutive_errors} calls in a row; "
                                f"{why}); see events.jsonl for their errors")
 
+    # ------------------------------------------------------------------ adapter loads
+
+    async def load_on_engines(self, ref: AdapterRef) -> None:
+        """Every engine in rotation loads `ref`, each under engine.load_timeout_s; so does an engine
+        that comes back into rotation (restarted) while the others load."""
+        done: set[tuple[str, int]] = set()  # (engine, epoch): a restarted engine is a new one to load
+        while slots := [s for s in self._order if (s.engine.name, s.epoch) not in done]:
+            epochs = [s.epoch for s in slots]
+            done.update((s.engine.name, ep) for s, ep in zip(slots, epochs))
+            results = await settled([self.load_one(s.engine, ref) for s in slots])
+            for s, epoch, r in zip(slots, epochs, results):
+                if isinstance(r, EngineDeadError):
+                    self.failed(s.engine, r, epoch)  # a dead engine leaves the rotation; the others serve on
+                elif isinstance(r, BaseException):
+                    raise r
+        if not self.can_generate:
+            raise self.no_engine_error()
+
+    async def load_one(self, engine: Engine, ref: AdapterRef) -> None:
+        """`engine` loads `ref` under engine.load_timeout_s."""
+        try:
+            async with asyncio.timeout(self.cfg.load_timeout_s):
+                await engine.load_adapter(ref)
+        except TimeoutError:
+            raise AdapterError(f"engine {engine.name} did not load adapter {ref.path} within "
+                               f"engine.load_timeout_s = {self.cfg.load_timeout_s} s") from None
+
+    async def unload_on_engines(self, ref: AdapterRef, engines: Sequence[Engine]) -> None:
+        """Free `ref` on each engine, each under engine.load_timeout_s; a failure costs memory, not the run."""
+        async def one(e: Engine) -> None:
+            async with asyncio.timeout(self.cfg.load_timeout_s):
+                await e.unload_adapter(ref)
+
+        results = await settled([one(e) for e in engines])
+        for e, r in zip(engines, results):
+            if isinstance(r, Exception):
+                log.warning("adapter_unload_failed", engine=e.name, adapter=ref.name, error=repr(r))
+
     # ------------------------------------------------------------------ restarts
 
     def _restart_later(self, slot: EngineSlot) -> None:
@@ -225,13 +286,13 @@ class EngineRotation:
                                   f"{cfg.start_timeout_s} s") from None
         loaded: dict[str, int] = {}
         tried: set[str] = set()
-        while refs := [r for r in self._refs_in_use() if r.name not in tried]:
+        while refs := [r for r in self._in_use.refs_in_use() if r.name not in tried]:
             for ref in refs:
                 tried.add(ref.name)
                 try:
-                    await self._load_one(engine, ref)
+                    await self.load_one(engine, ref)
                 except AdapterError:
-                    if ref in self._refs_in_use():
+                    if ref in self._in_use.refs_in_use():
                         raise
                     continue  # its last group ended while it loaded and retention removed it: not needed
                 loaded[ref.name] = ref.version

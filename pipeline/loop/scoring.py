@@ -8,8 +8,8 @@ Invariants:
 - With an environment, a group's reward is env.reward's choice: the environment's rewards summed
   over each episode ("env"), the reward functions on each episode's transcript ("functions"), or
   their sum ("sum"), each part reported under its name (the environment's as "env").
-- Every group either reaches the buffer (buffered in the ledger), or leaves through `Outcomes`:
-  failed, dropped as zero-advantage (pipeline.filter_zero_advantage), or dropped at shutdown.
+- Every group goes on through one call of `Outcomes`: into the buffer (`buffered`; dropped there
+  if shutdown closed it), or out as failed or dropped as zero-advantage (pipeline.filter_zero_advantage).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from pipeline.loop.buffer import Admission, BufferClosed, RolloutBuffer
+from pipeline.loop.buffer import Admission
 from pipeline.faults import crash_point
-from pipeline.store.ledger import Ledger
 from pipeline.loop.outcomes import Outcomes
+from pipeline.observe.metrics import Count
 from pipeline.data.rewards import RewardScorer
 from pipeline.types import Generation, RolloutGroup
 
@@ -72,19 +72,16 @@ def reward_names(scorer: RewardScorer, env_reward: str | None) -> list[str]:
 class Scoring:
     """From an engine's Generations to RolloutGroups in the buffer."""
 
-    def __init__(self, *, texts: Texts, scorer: RewardScorer, buffer: RolloutBuffer, ledger: Ledger,
-                 outcomes: Outcomes, filter_zero_advantage: bool,
+    def __init__(self, *, texts: Texts, scorer: RewardScorer, outcomes: Outcomes, filter_zero_advantage: bool,
                  spans: list[tuple[float, float]], env_reward: str | None = None) -> None:
         self.texts = texts
         self.scorer = scorer
         self.env_reward = env_reward  # None: no environment; else env.reward ("env", "functions" or "sum")
         self.names = reward_names(scorer, env_reward)  # the reward parts, in order
-        self.buffer = buffer
-        self.ledger = ledger
         self.outcomes = outcomes
         self.filter_zero_advantage = filter_zero_advantage
         self.spans = spans  # (start, end) of each engine call whose groups came back, for the report
-        self.version_mismatches = 0
+        self.version_mismatches = Count()  # generations of another version than their group's (Reporting reads it)
 
     async def accept(self, items: list[tuple[Admission, Generation]]) -> None:
         """Check, decode, score and buffer generated groups; each one that cannot be kept is settled."""
@@ -113,19 +110,10 @@ class Scoring:
             rewards, parts = scored
             self.outcomes.scored()
             if self.filter_zero_advantage and rewards.min() == rewards.max():
-                await self.buffer.drop(adm.group_id, "zero_advantage")
-                self.outcomes.record(adm.group_id, "dropped", "zero_advantage", -1, gen, rewards)
+                await self.outcomes.drop(adm.group_id, "zero_advantage", gen, rewards)
                 continue
             groups.append(RolloutGroup(gen, rewards, now, parts))
-        try:
-            await self.buffer.put_many(groups)
-            self.ledger.set_state_many([g.group_id for g in groups], "buffered")
-        except BufferClosed:
-            # shutting down: keep what was produced in the log (what was put is the buffer's to report)
-            for g in groups:
-                if self.buffer.is_in_flight(g.group_id):  # not stored before the close
-                    self.buffer.settle_in_flight(g.group_id, "shutdown")
-                    self.outcomes.record(g.group_id, "dropped", "shutdown", -1, g.generation, g.rewards)
+        await self.outcomes.buffered(groups)
 
     async def score(self, gens: list[Generation]) -> list[Any]:
         """Each group's (rewards [n], parts [F, n]) or the RewardError that failed it: the reward functions

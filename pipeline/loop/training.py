@@ -1,9 +1,10 @@
 """Training: batches from the buffer to trainer steps, published versions, trained outcomes and checkpoints.
 
 Invariants:
-- Each step takes the buffer's EDF batch for the trainer's version, so no trained group is older
-  than max_staleness; the groups it trains are recorded as trained at that step only after the
-  trainer stepped and the version it made was published.
+- Each step takes the buffer's EDF batch for the trainer's version (`Outcomes.select`), so no
+  trained group is older than max_staleness; the groups it trains leave as trained at that step
+  (`Outcomes.trained`) only after the trainer stepped and the version it made was published. A
+  batch taken and not trained (shutdown cut its step) is dropped by `Outcomes.drop_live`.
 - The step and its publish run in one worker thread under trainer.step_timeout_s.
 - A checkpoint is taken between two steps, at one moment on the loop: the ledger snapshot and
   the RolloutLog row count agree, and the rows it covers are flushed first. One is written every
@@ -26,7 +27,7 @@ import numpy as np
 import structlog
 
 from pipeline.store.weights import AdapterStore
-from pipeline.loop.buffer import BufferClosed, RolloutBuffer
+from pipeline.loop.buffer import BufferClosed
 from pipeline.store.checkpoint import CheckpointStore
 from pipeline.config.schema import RunConfig
 from pipeline.errors import TrainerError
@@ -49,7 +50,7 @@ STOPPED = object()  # what `until_stopped` returns when a stop request came firs
 class Training:
     """The train loop and the checkpoints it writes."""
 
-    def __init__(self, *, cfg: RunConfig, trainer: Any, store: AdapterStore, buffer: RolloutBuffer, ledger: Ledger,
+    def __init__(self, *, cfg: RunConfig, trainer: Any, store: AdapterStore, ledger: Ledger,
                  rollout_log: RolloutLog, outcomes: Outcomes, versions: Versions, checkpoints: CheckpointStore,
                  reporting: Reporting, evaluator: Evaluator | None, trainer_busy: BusyMeter,
                  timeline: list[tuple[float, float]], stop: asyncio.Event, on_step: Callable[[int, int, dict], None],
@@ -58,7 +59,6 @@ class Training:
         self.cfg = cfg
         self.trainer = trainer
         self.store = store
-        self.buffer = buffer
         self.ledger = ledger
         self.rollout_log = rollout_log
         self.outcomes = outcomes
@@ -76,7 +76,6 @@ class Training:
         self.checkpoint_step = checkpoint_step
         self._checkpoint_s = 0.0  # seconds of checkpoints since the last step's row
         self.show_progress = show_progress
-        self.training: list[RolloutGroup] = []  # the batch taken but not yet recorded (shutdown drops it)
 
     async def train_loop(self) -> None:
         """Consumes batches (EDF under the staleness bound); produces published versions; waits on the buffer."""
@@ -96,11 +95,10 @@ class Training:
         rows = self.reporting.rows
         for step in range(self.start_step + 1, pc.steps + 1):
             t_wait = time.monotonic()
-            sel = await self.until_stopped(self.buffer.get_batch(version))
+            sel = await self.until_stopped(self.outcomes.select(version))
             if sel is STOPPED:
                 break
             wait_s = time.monotonic() - t_wait
-            self._take_selection(sel)
             if not sel.groups:
                 log.info("out_of_data", step=step)
                 break
@@ -126,9 +124,7 @@ class Training:
                           "time/checkpoint_s": self._checkpoint_s})
             self._checkpoint_s = 0.0
             self.versions.published(ref)
-            self.buffer.commit(sel.groups)
-            self.training = []
-            self.outcomes.record_many([(g.group_id, "trained", "", step, g.generation, g.rewards) for g in batch.groups])
+            self.outcomes.trained(batch.groups, step)
             crash_point("step.after_record")
             version = stats.version
             times["time/record_s"] = time.monotonic() - t_done  # commit, outcomes to the log, the row
@@ -162,12 +158,6 @@ class Training:
         # the end of the run, or a stop request: the state to continue from
         await self.checkpoint(last)
 
-    def abandon(self, reason: str) -> list[RolloutGroup]:
-        """The batch taken but not trained (shutdown cut its step): out of the buffer's count, returned."""
-        groups, self.training = self.training, []
-        self.buffer.abandon(groups, reason)
-        return groups
-
     def _checks_at(self, step: int) -> bool:
         """Whether `step` starts with a log-prob check: the run's first step, then every logprob_check_every."""
         every = self.cfg.pipeline.logprob_check_every
@@ -183,9 +173,7 @@ class Training:
         try:
             await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            task.cancel()  # no orphan: a get_batch left running could take groups nobody trains
-            if task.done() and not task.cancelled() and task.exception() is None and hasattr(task.result(), "groups"):
-                self._take_selection(task.result())  # it finished as we were cancelled
+            task.cancel()  # no orphan: a select left running could take groups nobody trains
             raise
         finally:
             stop.cancel()
@@ -198,13 +186,6 @@ class Training:
             if asyncio.current_task().cancelling():  # we are being cancelled ourselves
                 raise
         return STOPPED
-
-    def _take_selection(self, sel: Any) -> None:
-        """Record what the buffer dropped at selection; hold the batch as training (shutdown drops it if need be)."""
-        for g, reason in sel.dropped:
-            self.outcomes.record(g.group_id, "dropped", reason, -1, g.generation, g.rewards)
-        self.training = sel.groups
-        self.ledger.set_state_many([g.group_id for g in sel.groups], "training")
 
     async def _trainer_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """A blocking trainer call in a thread, under trainer.step_timeout_s."""

@@ -6,6 +6,10 @@ version that admission samples with. How a version replaces the last on an engin
 strategy: LoRA adapters load beside the ones in use (`LoraSwap`); full weights replace them, so
 the groups in flight and any evaluation round finish first (`FullWeightSwap`).
 
+Built in data-flow order, each given what it uses: `VersionSet` (the versions published and not
+pruned, the serving one, those in use) first, then the `EngineRotation` (which reads from it what
+a restarted engine loads), then `Versions` (the loop that moves the serving version) with both.
+
 Invariants:
 - A version serves only after every engine in rotation loaded it; a version whose directory
   does not verify or load is skipped while an older one may still serve within max_staleness,
@@ -21,34 +25,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import structlog
 
 from pipeline.store.weights import AdapterStore
 from pipeline.loop.buffer import RolloutBuffer
 from pipeline.engines.base import Engine
-from pipeline.errors import AdapterError, EngineDeadError
+from pipeline.errors import AdapterError
 from pipeline.loop.rotation import EngineRotation
 from pipeline.types import AdapterRef
 
 log = structlog.get_logger(__name__)
-
-
-async def settled(coros: list[Any]) -> list[Any]:
-    """Each coroutine's result or exception, in order, run concurrently: `gather(...,
-    return_exceptions=True)`, except that one coroutine is awaited in place (a task per engine
-    costs more than a simulated engine's load, twice a step)."""
-    if len(coros) != 1:
-        return await asyncio.gather(*coros, return_exceptions=True)
-    try:
-        return [await coros[0]]
-    except asyncio.CancelledError as e:
-        if asyncio.current_task().cancelling():  # we are being cancelled: gather would be too
-            raise
-        return [e]  # the coroutine's own cancellation: gather returns it as its result
-    except Exception as e:  # returned, as gather(return_exceptions=True) does
-        return [e]
 
 
 class VersionPins:
@@ -91,13 +79,49 @@ class VersionPins:
             self._cond.notify_all()
 
 
+class VersionSet:
+    """The adapter versions engines may be asked for: each one published and not yet pruned, the serving
+    one, and those in use (the serving one, a group in flight's, an evaluation round's)."""
+
+    def __init__(self, *, buffer: RolloutBuffer, pins: VersionPins, start_version: int) -> None:
+        self.buffer = buffer  # the versions of the groups in flight
+        self.pins = pins  # the versions evaluation rounds sample with
+        self.adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
+        self.served = start_version  # the version engines serve; Versions.adapter_loop moves it
+
+    def refs_in_use(self) -> list[AdapterRef]:
+        """The adapters a group in flight, an eval round, or the next group admitted may ask an engine
+        for (not the base)."""
+        versions = {self.served, *self.buffer.in_flight_versions(), *self.pins.versions()}
+        return [self.adapters[v] for v in sorted(versions) if v > 0 and v in self.adapters]
+
+    def keep_from(self, max_staleness: int) -> int:
+        """The oldest version still needed: by a group in flight, an eval round, or the staleness bound."""
+        return min(self.buffer.in_flight_versions() + self.pins.versions() + [self.served - max_staleness])
+
+
+class SwapStrategy(Protocol):
+    """How a new version replaces the last on the engines; the adapter loop calls these in order."""
+
+    drain_s: dict[int, float]  # version -> seconds admission paused before its load (empty: none pause)
+
+    async def before_load(self, version: int) -> None: ...
+
+    async def after_failed_load(self, served: AdapterRef) -> None: ...
+
+    async def after_serving(self) -> None: ...
+
+
 class LoraSwap:
     """LoRA adapters: a new version loads beside those in use; nothing waits."""
+
+    def __init__(self) -> None:
+        self.drain_s: dict[int, float] = {}  # nothing pauses
 
     async def before_load(self, version: int) -> None:
         pass
 
-    async def after_failed_load(self) -> None:
+    async def after_failed_load(self, served: AdapterRef) -> None:
         pass
 
     async def after_serving(self) -> None:
@@ -108,44 +132,42 @@ class FullWeightSwap:
     """Whole weights: an engine holds one version, so admission pauses and what is in flight (groups
     and evaluation rounds) finishes on the old weights before the engines load the new ones."""
 
-    def __init__(self, versions: Versions) -> None:
-        self.versions = versions
+    def __init__(self, *, buffer: RolloutBuffer, pins: VersionPins, rotation: EngineRotation) -> None:
+        self.buffer = buffer  # admission pauses, and the groups in flight drain, before a load
+        self.pins = pins  # evaluation rounds finish before a load, and none starts during it
+        self.rotation = rotation  # after a failed load, the engines load the served weights again
         self.drain_s: dict[int, float] = {}  # version -> seconds admission paused for the drain
 
     async def before_load(self, version: int) -> None:
-        v = self.versions
         t_drain = time.monotonic()
-        v.buffer.pause_admission()
-        await v.buffer.wait_drained()
-        await v.pins.hold_swaps()
+        self.buffer.pause_admission()
+        await self.buffer.wait_drained()
+        await self.pins.hold_swaps()
         self.drain_s[version] = time.monotonic() - t_drain
 
-    async def after_failed_load(self) -> None:
-        v = self.versions
+    async def after_failed_load(self, served: AdapterRef) -> None:
         # engines that did load it go back to the served weights, so every engine serves one version
-        await v.load_on_engines(v.adapters[v.served])
-        await v.buffer.resume_admission()
-        await v.pins.release_swaps()
+        await self.rotation.load_on_engines(served)
+        await self.buffer.resume_admission()
+        await self.pins.release_swaps()
 
     async def after_serving(self) -> None:
-        await self.versions.buffer.resume_admission()
-        await self.versions.pins.release_swaps()
+        await self.buffer.resume_admission()
+        await self.pins.release_swaps()
 
 
 class Versions:
     """The published versions, the one engines serve, and the loop that moves it."""
 
-    def __init__(self, *, rotation: EngineRotation, store: AdapterStore, buffer: RolloutBuffer, pins: VersionPins,
-                 max_staleness: int, load_timeout_s: float, full_weights: bool, start_version: int) -> None:
-        self.rotation = rotation
+    def __init__(self, *, rotation: EngineRotation, version_set: VersionSet, store: AdapterStore, buffer: RolloutBuffer,
+                 pins: VersionPins, max_staleness: int, full_weights: bool) -> None:
+        self.rotation = rotation  # the engines that load each version
+        self.set = version_set  # what is published, served and in use
         self.store = store
-        self.buffer = buffer
-        self.pins = pins  # versions evaluation rounds sample with
+        self.buffer = buffer  # told each new serving version
         self.max_staleness = max_staleness
-        self.load_timeout_s = load_timeout_s
-        self.swap: LoraSwap | FullWeightSwap = FullWeightSwap(self) if full_weights else LoraSwap()
-        self.adapters: dict[int, AdapterRef] = {0: AdapterRef.base()}
-        self.served = start_version  # the version engines serve; the adapter loop moves it
+        self.swap: SwapStrategy = (FullWeightSwap(buffer=buffer, pins=pins, rotation=rotation) if full_weights
+                                   else LoraSwap())
         self.publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
         self.load_failures: dict[int, str] = {}
@@ -153,20 +175,25 @@ class Versions:
         self._serving = asyncio.Event()  # set (then replaced) when engines serve a new version
 
     @property
+    def adapters(self) -> dict[int, AdapterRef]:
+        """Version -> its adapter, for every version published and not yet pruned (0: the base)."""
+        return self.set.adapters
+
+    @property
+    def served(self) -> int:
+        """The version engines serve."""
+        return self.set.served
+
+    @property
     def drain_s(self) -> dict[int, float]:
-        return self.swap.drain_s if isinstance(self.swap, FullWeightSwap) else {}
+        """Version -> seconds admission paused before its load (full weights; empty with LoRA)."""
+        return self.swap.drain_s
 
     def published(self, ref: AdapterRef) -> None:
         """The trainer published `ref`: the adapter loop takes it from here."""
         self.adapters[ref.version] = ref
         self.publish_t[ref.version] = time.monotonic()
         self._published.set()
-
-    def refs_in_use(self) -> list[AdapterRef]:
-        """The adapters a group in flight, an eval round, or the next group admitted may ask an engine
-        for (not the base)."""
-        versions = {self.served, *self.buffer.in_flight_versions(), *self.pins.versions()}
-        return [self.adapters[v] for v in sorted(versions) if v > 0 and v in self.adapters]
 
     async def wait_serving(self, version: int) -> None:
         """Until engines serve `version` or newer, or a load of such a version failed."""
@@ -176,41 +203,12 @@ class Versions:
     # ------------------------------------------------------------------ loading
 
     async def load_on_engines(self, ref: AdapterRef) -> None:
-        """Every engine in rotation loads `ref`, each under engine.load_timeout_s; so does an engine
-        that comes back into rotation (restarted) while the others load."""
-        done: set[tuple[str, int]] = set()  # (engine, epoch): a restarted engine is a new one to load
-        rotation = self.rotation
-        while engines := [e for e in rotation.healthy if (e.name, rotation.slot(e).epoch) not in done]:
-            epochs = [rotation.slot(e).epoch for e in engines]
-            done.update((e.name, ep) for e, ep in zip(engines, epochs))
-            results = await settled([self.load_one(e, ref) for e in engines])
-            for e, epoch, r in zip(engines, epochs, results):
-                if isinstance(r, EngineDeadError):
-                    rotation.failed(e, r, epoch)  # a dead engine leaves the rotation; the others serve on
-                elif isinstance(r, BaseException):
-                    raise r
-        if not rotation.can_generate:
-            raise rotation.no_engine_error()
-
-    async def load_one(self, engine: Engine, ref: AdapterRef) -> None:
-        """`engine` loads `ref` under engine.load_timeout_s."""
-        try:
-            async with asyncio.timeout(self.load_timeout_s):
-                await engine.load_adapter(ref)
-        except TimeoutError:
-            raise AdapterError(f"engine {engine.name} did not load adapter {ref.path} within "
-                               f"engine.load_timeout_s = {self.load_timeout_s} s") from None
+        """Every engine in rotation loads `ref` (`EngineRotation.load_on_engines`)."""
+        await self.rotation.load_on_engines(ref)
 
     async def unload_on_engines(self, ref: AdapterRef, engines: Sequence[Engine]) -> None:
-        """Free `ref` on each engine, each under engine.load_timeout_s; a failure costs memory, not the run."""
-        async def one(e: Engine) -> None:
-            async with asyncio.timeout(self.load_timeout_s):
-                await e.unload_adapter(ref)
-
-        results = await settled([one(e) for e in engines])
-        for e, r in zip(engines, results):
-            if isinstance(r, Exception):
-                log.warning("adapter_unload_failed", engine=e.name, adapter=ref.name, error=repr(r))
+        """Free `ref` on each engine; a failure costs memory, not the run (`EngineRotation.unload_on_engines`)."""
+        await self.rotation.unload_on_engines(ref, engines)
 
     # ------------------------------------------------------------------ the loop
 
@@ -230,7 +228,7 @@ class Versions:
                 await self.swap.before_load(newest)
                 await self.load_on_engines(ref)
             except (AdapterError, OSError) as e:
-                await self.swap.after_failed_load()
+                await self.swap.after_failed_load(self.adapters[served])
                 # keep serving the last good version while the staleness bound allows; then stop clearly
                 self.load_failures[newest] = repr(e)
                 self._serving_changed()  # an eval round waiting for this version takes the served one
@@ -241,13 +239,13 @@ class Versions:
                                        f"max_staleness = {K} allows no older data") from e
                 continue
             self.publish_to_loaded[newest] = time.monotonic() - self.publish_t[newest]
-            served = self.served = newest  # an engine restarted from now on loads it before it serves
+            served = self.set.served = newest  # an engine restarted from now on loads it before it serves
             self._serving_changed()
             structlog.contextvars.bind_contextvars(policy_version=served)
             await self.buffer.set_serving_version(served)
             await self.swap.after_serving()
             log.debug("adapter_serving", version=served, publish_to_loaded_s=round(self.publish_to_loaded[newest], 4))
-            keep_from = min(self.buffer.in_flight_versions() + self.pins.versions() + [served - K])
+            keep_from = self.set.keep_from(K)
             for v in [v for v in self.adapters if 0 < v < keep_from]:
                 old = self.adapters.pop(v)
                 await self.unload_on_engines(old, self.rotation.healthy)

@@ -18,6 +18,22 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 
+class Count:
+    """A number one component counts up (`count += 1`, in place) and Reporting reads (`count.value`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __iadd__(self, n: int) -> Count:
+        self.value += int(n)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Count({self.value})"
+
+
 class BusyMeter:
     """Time during which a stage had at least one unit of work running.
 

@@ -1,5 +1,9 @@
 """Reporting: each step's metrics row, the run's summary and report.png, from the components' own counts.
 
+A component's counter reaches Reporting as a `Count` the component increments and the
+orchestrator hands to `watch` by name (`retries`, `version_mismatches`): Reporting reads the
+counts, never the component that keeps them.
+
 Invariants:
 - Every metrics row (a training step's or an evaluation round's) goes to metrics.jsonl and then
   to the trackers, at its step (`write`).
@@ -26,7 +30,7 @@ import structlog
 from pipeline.loop.buffer import RolloutBuffer
 from pipeline.config.schema import RunConfig
 from pipeline.store.ledger import Ledger
-from pipeline.observe.metrics import BusyMeter, LoopLagMonitor, MetricsWriter
+from pipeline.observe.metrics import BusyMeter, Count, LoopLagMonitor, MetricsWriter
 from pipeline.store.rollout_log import RolloutLog
 from pipeline.loop.rotation import EngineRotation
 from pipeline.observe.trackers import Trackers, open_trackers
@@ -57,8 +61,8 @@ class Reporting:
         self.buffer: RolloutBuffer | None = None
         self.rotation: EngineRotation | None = None
         self.versions: Versions | None = None
-        self._generator: Any = None  # counts retries
-        self._scoring: Any = None  # counts version mismatches
+        self.retries = Count()  # generation attempts retried (the Generator's)
+        self.version_mismatches = Count()  # generations of another version than their group's (Scoring's)
         self.reward_names: list[str] = []
         self.full_weights = False
 
@@ -70,10 +74,10 @@ class Reporting:
                                            replace(cfg, out=str(run_dir))) if cfg.log.trackers else None
         return cls(run_dir=run_dir, metrics=MetricsWriter(run_dir / "metrics.jsonl"), trackers=trackers, **kwargs)
 
-    def watch(self, *, buffer: RolloutBuffer, rotation: EngineRotation, versions: Versions, generator: Any,
-              scoring: Any, reward_names: list[str], full_weights: bool) -> None:
+    def watch(self, *, buffer: RolloutBuffer, rotation: EngineRotation, versions: Versions, retries: Count,
+              version_mismatches: Count, reward_names: list[str], full_weights: bool) -> None:
         self.buffer, self.rotation, self.versions = buffer, rotation, versions
-        self._generator, self._scoring = generator, scoring
+        self.retries, self.version_mismatches = retries, version_mismatches
         self.reward_names, self.full_weights = reward_names, full_weights
 
     def start(self) -> None:
@@ -104,8 +108,8 @@ class Reporting:
             "groups": len(batch.groups), "tokens": batch.num_tokens,
             "rollout/started": started, "rollout/trained": trained, "rollout/in_flight": c.in_flight,
             "rollout/buffered": c.buffered, "rollout/dropped": sum(dropped.values()),
-            "rollout/failed": sum(failed.values()), "rollout/version_mismatch": self._scoring.version_mismatches,
-            "rollout/retries": self._generator.retries,
+            "rollout/failed": sum(failed.values()), "rollout/version_mismatch": self.version_mismatches.value,
+            "rollout/retries": self.retries.value,
             "engine/in_rotation": len(self.rotation.healthy),
             "rollout/versions_verified": len(batch.groups),
             **times,
@@ -182,7 +186,7 @@ class Reporting:
             "stopped_by": stopped_by,
             **self.rotation.summary(),
             "adapter_load_failures": dict(versions.load_failures),
-            "generation_retries": self._generator.retries,
+            "generation_retries": self.retries.value,
             "groups_per_s": trained / total_wall,
             "tokens_per_s": sum(r["tokens"] for r in rows) / total_wall,
             "session": {"steps": len(session_rows), "wall_s": wall, "groups_trained": c.trained,
@@ -197,7 +201,7 @@ class Reporting:
             if versions.publish_to_loaded else None,
             "drain_s_mean": float(np.mean(list(versions.drain_s.values()))) if versions.drain_s else None,
             "loop_lag_p99_ms": self.lag.percentile_ms(99),
-            "version_mismatches": self._scoring.version_mismatches,
+            "version_mismatches": self.version_mismatches.value,
             "error": repr(error) if error is not None and not isinstance(error, asyncio.CancelledError) else None,
             "cancelled": isinstance(error, asyncio.CancelledError),
             "run_dir": str(self.run_dir),

@@ -5,13 +5,15 @@ A group's id is its position in the prompt stream (group g samples item g of the
 generated again after a crash keeps its id, and the RolloutLog (which refuses a repeated id)
 can hold it only once.
 
-States:  queued → in_flight → buffered → training → trained (step s)
-                     └──────────┴───────────┴──────→ dropped (reason) | failed (reason)
-         queued → refused (a malformed prompt; it never becomes a group)
+An id is handed out (`next_id`), then settled once: trained, dropped or failed (with a reason)
+when its group leaves the system, or refused (a malformed prompt; it never becomes a group). An
+id handed out and not started is given back. Between the two its group is live; where it is in
+its life (in flight, buffered, training) is the loop's to know (`Outcomes`), not part of what a
+checkpoint must remember.
 
 Invariants:
-- Every id below `cursor` is settled (trained, dropped, failed, refused), live (in flight,
-  buffered, training) or queued for another attempt; ids are handed out once per attempt.
+- Every id below `cursor` is settled, handed out in this attempt (its group live, or about to
+  start) or queued for another attempt; ids are handed out once per attempt.
 - `snapshot()` is taken on the event loop between two steps, so it is one consistent moment;
   what it calls settled is exactly what the RolloutLog holds in its first `log_rows` rows.
 - `from_snapshot` queues every id below the cursor that was not settled at the snapshot: the
@@ -25,18 +27,16 @@ from collections import Counter, deque
 from typing import Any
 
 FORMAT_VERSION = 1
-LIVE_STATES = ("in_flight", "buffered", "training")
 SETTLED_FATES = ("trained", "dropped", "failed", "refused")
 
 
 class Ledger:
-    """Group ids (stream positions), their states, and what a checkpoint must remember of them."""
+    """Group ids (stream positions), their fates, and what a checkpoint must remember of them."""
 
     def __init__(self, limit: int | None = None) -> None:
         self.limit = limit  # ids >= limit do not exist (a finite data stream); None = endless
         self.cursor = 0  # next id never handed out
         self._queue: deque[int] = deque()  # ids to attempt again, before the cursor's
-        self._live: dict[int, str] = {}
         # settled ids, compactly: every id < _settled_below is settled, and so are those in _settled_above
         self._settled_below = 0
         self._settled_above: set[int] = set()
@@ -56,28 +56,16 @@ class Ledger:
 
     def give_back(self, gid: int) -> None:
         """An id handed out but not started (admission closed): it is the next one handed out again."""
-        if self.is_settled(gid) or gid in self._live:
-            raise ValueError(f"group {gid} was started; it cannot be given back")
+        if gid >= self.cursor or self.is_settled(gid) or gid in self._queue:
+            raise ValueError(f"group {gid} is not handed out (cursor {self.cursor}), or settled, or queued "
+                             "already; only an id handed out and not started can be given back")
         self._queue.appendleft(gid)
 
     @property
     def queued(self) -> int:
         return len(self._queue)
 
-    # ------------------------------------------------------------------ state changes
-
-    def set_state(self, gid: int, state: str) -> None:
-        """A live state: in_flight, buffered or training."""
-        self.set_state_many([gid], state)
-
-    def set_state_many(self, gids: list[int], state: str) -> None:
-        """`set_state` for several groups: all of them, or none if one is refused."""
-        if state not in LIVE_STATES:
-            raise ValueError(f"{state!r} is not a live state; use settle() for {SETTLED_FATES}")
-        settled = [g for g in gids if self.is_settled(g)]
-        if settled:
-            raise ValueError(f"groups {settled} are already settled")
-        self._live.update(dict.fromkeys(gids, state))
+    # ------------------------------------------------------------------ settling
 
     def settle(self, gid: int, fate: str, reason: str = "") -> None:
         """The group left the system: trained, dropped or failed (with reason), or refused."""
@@ -87,7 +75,6 @@ class Ledger:
             raise ValueError(f"group {gid} was never handed out (cursor {self.cursor})")
         if self.is_settled(gid):
             raise ValueError(f"group {gid} is already settled; a group leaves the system once")
-        self._live.pop(gid, None)
         self._settled_above.add(gid)
         while self._settled_below in self._settled_above:  # keep the explicit set small
             self._settled_above.discard(self._settled_below)
@@ -98,10 +85,9 @@ class Ledger:
         return gid < self._settled_below or gid in self._settled_above
 
     def states(self) -> Counter[str]:
-        """How many ids are in each live state, plus "queued"."""
-        c = Counter(self._live.values())
-        c["queued"] = len(self._queue)
-        return c
+        """How many ids wait here unsettled and not handed out: {"queued": n} (live groups' states
+        are `Outcomes`')."""
+        return Counter({"queued": len(self._queue)})
 
     # ------------------------------------------------------------------ persistence
 

@@ -197,6 +197,21 @@ def test_close_wakes_every_waiter_and_accounts_for_what_is_left():
     asyncio.run(main())
 
 
+def test_a_failure_once_closed_counts_as_dropped_by_shutdown():
+    """Shutdown, not the group, ended it: the buffer counts what the ledger and the log will say."""
+
+    async def main():
+        buf = RolloutBuffer(batch_groups=2, max_staleness=0)
+        a, b = buf.try_admit(), buf.try_admit()
+        assert await buf.fail(a.group_id, "reward_error") == ("failed", "reward_error")
+        await buf.close()
+        assert await buf.fail(b.group_id, "reward_error") == ("dropped", "shutdown")
+        assert buf.counts.failed == {"reward_error": 1} and buf.counts.dropped == {"shutdown": 1}
+        assert buf.counts.in_flight == 0 and buf.counts.balanced()
+
+    asyncio.run(main())
+
+
 def test_finite_source_ends_with_a_partial_batch():
     async def main():
         buf = RolloutBuffer(batch_groups=4, max_staleness=1)

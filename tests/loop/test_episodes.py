@@ -14,7 +14,7 @@ from pipeline.engines.simulated import SimulatedEngine
 from pipeline.envs import ToolEnvironment, from_trl
 from pipeline.loop.orchestrator import Pipeline
 from pipeline.store.rollout_log import read_rollouts
-from pipeline.trainer.policy import SimulatedTrainer
+from pipeline.trainer.simulated import SimulatedTrainer
 from pipeline.types import AdapterRef, Batch, GroupRequest
 
 ROWS = [{"id": str(i)} for i in range(64)]
@@ -210,12 +210,12 @@ def test_rewards_env_functions_or_their_sum(tmp_path: Path) -> None:
 def test_chat_episodes_on_real_engines_keep_the_logprob_check(tmp_path: Path, model_dir: Path,
                                                              engine_kind: str) -> None:
     """Chat episodes with tool replies on the tiny model, in the transformers engine and over HTTP
-    through a vLLM-server stub (token-id prompts): the trainer's log-probs of the sampled tokens
+    through the vLLM server stand-in (token-id prompts): the trainer's log-probs of the sampled tokens
     match the engine's, with the replies as context."""
     import asyncio
     import json
 
-    from vllm_server_stub import VLLMServerStub
+    from vllm_stand_in import VLLMStandIn
 
     from pipeline.config.schema import SamplingConfig, TransformersEngineConfig
     from pipeline.config.io import load_config
@@ -237,7 +237,7 @@ def test_chat_episodes_on_real_engines_keep_the_logprob_check(tmp_path: Path, mo
         inner = TransformersEngine(model_dir, sampling=SamplingConfig(), cfg=TransformersEngineConfig(),
                                    device="cpu", dtype="float32", max_loaded_adapters=3, seed=0, name="inner")
         await inner.start()
-        stub = VLLMServerStub(inner, model_name="tiny")
+        stub = VLLMStandIn(inner, model_name="tiny")
         url = await stub.start()
         try:
             p = Pipeline(load_config(None, {**sets, "engine.kind": "vllm_server",

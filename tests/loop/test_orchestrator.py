@@ -19,7 +19,7 @@ from pipeline.observe.metrics import read_jsonl
 from pipeline.loop.orchestrator import Pipeline
 from pipeline.data.prompts import PromptBuilder
 from pipeline.store.rollout_log import read_rollouts
-from pipeline.loop.versions import settled as _settled
+from pipeline.loop.rotation import settled as _settled
 
 PROMPTS = [{"id": f"p{i}", "prompt": f"prompt {i}", "token_ids": [1 + i % 50, 2, 3], "label": i} for i in range(40)]
 
@@ -71,7 +71,7 @@ def test_max_staleness_one_overlaps_generation_and_training(tmp_path):
 def test_the_trainer_keeps_a_version_only_when_a_check_may_look_back_at_it(tmp_path, monkeypatch):
     # checks at steps 1, 6 and 11; with K=2 a check at step s may meet groups of versions s-3 and
     # s-2, which steps s-2 and s-1 train from: only steps 4, 5, 9 and 10 keep their version
-    from pipeline.trainer.policy import SimulatedTrainer
+    from pipeline.trainer.simulated import SimulatedTrainer
 
     seen: dict[int, bool] = {}
     step = SimulatedTrainer.step
@@ -202,8 +202,6 @@ def test_a_source_whose_every_prompt_is_refused_is_a_config_error_and_the_loop_s
     result: list[BaseException] = []
 
     async def main():
-        nonlocal ticks
-
         async def ticker():
             nonlocal ticks
             while True:
@@ -237,7 +235,7 @@ def test_a_failed_start_lets_the_others_finish_before_shutdown_closes_them(tmp_p
     import time
 
     from pipeline.engines.simulated import SimulatedEngine
-    from pipeline.trainer.policy import SimulatedTrainer
+    from pipeline.trainer.simulated import SimulatedTrainer
 
     calls: list[str] = []
 

@@ -133,7 +133,7 @@ def test_each_reward_is_its_own_episodes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("engine_kind", ["transformers", "vllm_server"])
 def test_each_reward_is_its_own_completions_on_real_engines(tmp_path: Path, model_dir: Path, engine_kind: str) -> None:
-    from vllm_server_stub import VLLMServerStub
+    from vllm_stand_in import VLLMStandIn
 
     from pipeline.config.schema import SamplingConfig, TransformersEngineConfig
     from pipeline.engines.transformers import TransformersEngine
@@ -151,7 +151,7 @@ def test_each_reward_is_its_own_completions_on_real_engines(tmp_path: Path, mode
         inner = TransformersEngine(model_dir, sampling=SamplingConfig(), cfg=TransformersEngineConfig(),
                                    device="cpu", dtype="float32", max_loaded_adapters=3, seed=0, name="inner")
         await inner.start()
-        stub = VLLMServerStub(inner, model_name="tiny")
+        stub = VLLMStandIn(inner, model_name="tiny")
         url = await stub.start()
         try:
             p = Pipeline(load_config(None, {**sets, "engine.kind": "vllm_server", "engine.vllm_server.urls": [url]}),

@@ -15,7 +15,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pytest
 from conftest import assert_accounted, sim_config
 
 from pipeline.config.schema import SimulatedEngineConfig
