@@ -235,10 +235,9 @@ class VLLMEngineConfig:
     enforce_eager: bool = False  # skip torch.compile and CUDA graphs: starts faster, runs slower
     max_model_len: int = 2048  # prompt + completion tokens per sequence
     max_num_seqs: int = 1024  # sequences the scheduler runs at once
-    # the largest batch run as a CUDA graph; larger ones run eagerly, which halved a 0.5B model's
-    # tokens/s beyond 512 sequences (benchmarks/vllm_depth.py). 0 = max_num_seqs (vLLM's own
-    # default would be min(2 x max_num_seqs, 512))
-    max_cudagraph_capture_size: int = 0  # the largest batch run as a CUDA graph; 0 = max_num_seqs
+    # larger batches run eagerly, which halved a 0.5B model's tokens/s beyond 512 sequences
+    # (benchmarks/vllm_depth.py); every size captured costs set-up time (pipeline.loop.build.graph_sequences)
+    max_cudagraph_capture_size: int = 0  # the largest batch run as a CUDA graph; 0 = the sequences the run can have in flight on one engine ((max_staleness + 1) x batch_groups x n, plus an eval round's), at most max_num_seqs
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"  # engine weights
     max_lora_rank: int = 16  # must be >= trainer.lora_rank
     max_loras: int = 0  # adapters resident on the GPU; 0 = max_staleness + 2
@@ -249,7 +248,7 @@ class VLLMEngineConfig:
                self.gpu_memory_utilization)
         _check(self.max_model_len >= 16, "engine.vllm.max_model_len", ">= 16", self.max_model_len)
         _check(self.max_num_seqs >= 1, "engine.vllm.max_num_seqs", ">= 1", self.max_num_seqs)
-        _check(self.max_cudagraph_capture_size >= 0, "engine.vllm.max_cudagraph_capture_size", ">= 0 (0 = max_num_seqs)",
+        _check(self.max_cudagraph_capture_size >= 0, "engine.vllm.max_cudagraph_capture_size", ">= 0 (0 = sized to the run)",
                self.max_cudagraph_capture_size)
         _check(self.max_lora_rank in (8, 16, 32, 64, 128, 256, 320, 512), "engine.vllm.max_lora_rank",
                "one of 8, 16, 32, 64, 128, 256, 320, 512 (vLLM's choices)", self.max_lora_rank)

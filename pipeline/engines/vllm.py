@@ -403,7 +403,8 @@ class VLLMEngine:
             max_num_seqs=self.cfg.max_num_seqs,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             enforce_eager=self.cfg.enforce_eager,
-            # every batch the scheduler can form runs as a graph (vLLM alone stops at 512)
+            # a run sizes it to its work (pipeline.loop.build.graph_sequences); 0 (an engine built on
+            # its own): every batch the scheduler can form runs as a graph (vLLM alone stops at 512)
             max_cudagraph_capture_size=self.cfg.max_cudagraph_capture_size or self.cfg.max_num_seqs,
             **({} if self.full_weights else {"enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
                                              "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras}),

@@ -64,11 +64,13 @@ class VLLMServeProcess:
     def __init__(self, model_path: str | Path, log_path: str | Path, *, device: str = "cuda:0",
                  host: str = "127.0.0.1", port: int = 0, gpu_memory_utilization: float = 0.85,
                  max_model_len: int = 2048, max_num_seqs: int = 1024, max_lora_rank: int = 16, max_loras: int = 3,
-                 enforce_eager: bool = False, extra: Sequence[str] = (), program: Sequence[str] = VLLM_SERVE,
+                 enforce_eager: bool = False, max_cudagraph_capture_size: int = 0, extra: Sequence[str] = (),
+                 program: Sequence[str] = VLLM_SERVE,
                  grace_s: float = 30.0) -> None:
         """The defaults are engine.vllm's (max_loras: max_staleness + 2 at max_staleness 1).
 
         port: 0 = a free one, chosen now (so `url` is known before `start()`).
+        max_cudagraph_capture_size: the largest batch captured as a CUDA graph; 0 = vLLM's own default.
         extra: more `vllm serve` flags, appended as given.
         program: the command the model path and flags are appended to; tests put a stand-in here.
         grace_s: how long `stop()` waits after SIGTERM before SIGKILL.
@@ -86,7 +88,9 @@ class VLLMServeProcess:
         self.argv = [*program, str(self.model_path), "--host", host, "--port", str(self.port),
                      "--gpu-memory-utilization", str(gpu_memory_utilization), "--max-model-len", str(max_model_len),
                      "--max-num-seqs", str(max_num_seqs), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
-                     "--max-loras", str(max_loras), *(["--enforce-eager"] if enforce_eager else []), *extra]
+                     "--max-loras", str(max_loras), *(["--enforce-eager"] if enforce_eager else []),
+                     *(["--max-cudagraph-capture-size", str(max_cudagraph_capture_size)]
+                       if max_cudagraph_capture_size and not enforce_eager else []), *extra]
         # a server on every interface is still reached through this host's loopback
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
         self.pid: int | None = None  # the server's, once started; also its process group's id

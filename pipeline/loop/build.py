@@ -184,6 +184,37 @@ def prompt_builder(cfg: RunConfig, tokenizer: Any, model_path: str | None, engin
                          chat_template=read_chat_template(dc.chat_template) if dc.chat_template else None)
 
 
+def graph_sequences(cfg: RunConfig) -> int:
+    """The largest batch a vLLM engine of this run captures as a CUDA graph:
+    engine.vllm.max_cudagraph_capture_size, or (0, the default) the sequences one engine can have
+    running at once in this run, on vLLM's capture grid and at most engine.vllm.max_num_seqs.
+
+    The staleness bound keeps at most (max_staleness + 1) x batch_groups training groups of n
+    sequences admitted and untrained (an episode's later turns are one request per live episode, so
+    never more), shared by the engines; an evaluation round adds its prompts x eval.n, all of them
+    at once. vLLM captures every size on its grid up to the largest, each twice, so capturing for
+    batches the run can never form costs set-up time and buys nothing; a batch past the largest
+    graph would run eagerly, correct but slower.
+    """
+    vc, pc = cfg.engine.vllm, cfg.pipeline
+    if vc.max_cudagraph_capture_size:
+        return vc.max_cudagraph_capture_size
+    engines = max(1, len(cfg.engine.devices))
+    seqs = -(-(pc.max_staleness + 1) * pc.batch_groups * cfg.sampling.n // engines)
+    if cfg.eval.every:
+        if not cfg.eval.max_prompts:  # every eval prompt at once: as many as the scheduler runs
+            return vc.max_num_seqs
+        seqs += cfg.eval.max_prompts * cfg.eval.n
+    # vLLM's grid: 1, 2, 4, then multiples of 8 below 256 and of 16 from there; a largest size off
+    # the grid would be cut down to the grid point below it
+    if seqs <= 4:
+        grid = 1 if seqs == 1 else 2 if seqs == 2 else 4
+    else:
+        stride = 8 if seqs < 256 else 16
+        grid = -(-seqs // stride) * stride
+    return min(grid, vc.max_num_seqs)
+
+
 def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
                   run_dir: str | Path | None = None) -> list[Engine]:
     """One engine per engine.devices entry (per vllm_server.urls entry for servers someone else
@@ -217,7 +248,8 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
     else:
         from pipeline.engines.vllm import VLLMEngine
 
-        make = lambda i, dev: VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=dev,
+        vcfg = replace(cfg.engine.vllm, max_cudagraph_capture_size=graph_sequences(cfg))
+        make = lambda i, dev: VLLMEngine(model_path, sampling=cfg.sampling, cfg=vcfg, device=dev,
                                                    max_staleness=K, name=f"vllm-{i}",
                                                    seed=cfg.engine.vllm.seed + offset + i, full_weights=full)
     return [make(i, dev) for i, dev in enumerate(cfg.engine.devices)]
@@ -240,6 +272,7 @@ def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed
             port=sc.port + i if sc.port else 0, gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
             max_num_seqs=vc.max_num_seqs, max_lora_rank=vc.max_lora_rank,
             max_loras=sc.max_loaded_adapters or K + 2, enforce_eager=vc.enforce_eager,
+            max_cudagraph_capture_size=graph_sequences(cfg),
             extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), program=sc.command or VLLM_SERVE)
         engines.append(VLLMServerEngine(server.url, sampling=cfg.sampling, cfg=sc, max_staleness=K,
                                         name=f"vllm-server-{i}", server=server,
