@@ -32,7 +32,7 @@ import common  # noqa: E402  (the benchmarks' shared helpers sit next to this sc
 
 BENCHMARK = "setup_time"
 REPO = Path(__file__).resolve().parent.parent
-PARTS = ("data_s", "model_s", "engines_start_s", "trainer_start_s")
+PARTS = ("data_s", "model_s", "tokenizer_s", "engines_start_s", "trainer_start_s")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -101,14 +101,18 @@ def prompt_source(cfg: RunConfig, items: list[Any], *, own: bool, epochs: int | 
                         shuffle=cfg.data.shuffle if data else True)
 
 
-def model_and_tokenizer(cfg: RunConfig, tokenizer: Any, *, engines: bool, trainer: bool) -> tuple[str | None, Any]:
-    """(model directory, tokenizer): the model when the pipeline builds engines or the trainer on it
-    or needs its tokenizer (`tokenizer` None); a caller's tokenizer, or False for none, is kept."""
+def model_path(cfg: RunConfig, tokenizer: Any, *, engines: bool, trainer: bool) -> str | None:
+    """The model directory when the pipeline builds engines or the trainer on it or needs its
+    tokenizer (`tokenizer` None: a caller's tokenizer, or False for none, needs no model)."""
     weights = (engines and cfg.engine.kind != "simulated") or (trainer and cfg.trainer.kind == "peft")
-    path = model_dir(cfg, weights=weights) if weights or tokenizer is None else None
+    return model_dir(cfg, weights=weights) if weights or tokenizer is None else None
+
+
+def tokenizer_of(cfg: RunConfig, tokenizer: Any, path: str | None) -> Any:
+    """The run's tokenizer: a caller's (None for False: prompts carry token ids), else the model's."""
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg, path)
-    return path, tokenizer or None
+    return tokenizer or None
 
 
 def init_cuda(cfg: RunConfig) -> None:
@@ -145,12 +149,17 @@ def load_tokenizer(cfg: RunConfig, model_path: str | None) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     except Exception as e:  # transformers raises OSError, ValueError, KeyError... for a folder it cannot read
         if not cfg.model.path:
             raise  # the built-in model's: our bug, not the input's
         raise ConfigError(f"model.path: no tokenizer could be loaded from {model_path!r}: "
                           f"{type(e).__name__}: {e}") from e
+    if len(tokenizer) <= 1:  # a folder without tokenizer files gets an empty one from transformers, not an error
+        raise ConfigError(f"model.path: no tokenizer could be loaded from {model_path!r}: it holds no tokenizer "
+                          f"files (tokenizer.json, tokenizer_config.json, vocab.json...), and an empty one has "
+                          f"{len(tokenizer)} token(s)")
+    return tokenizer
 
 
 def model_config_value(model_path: str | None, key: str) -> Any:

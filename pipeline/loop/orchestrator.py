@@ -218,10 +218,15 @@ class Pipeline:
                        "reward": reward_names(self.scorer, env_reward), "reward_weights": list(self.scorer.weights)}
         t_model = time.monotonic()
         self.setup["data_s"] = t_model - t0
-        self.model_path, self.tokenizer = await asyncio.to_thread(
-            build.model_and_tokenizer, cfg, self._tokenizer, engines=self._user_engines is None,
-            trainer=self._user_trainer is None)
-        self.setup["model_s"] = time.monotonic() - t_model  # building the built-in model the first time, or loading
+        self.model_path = await asyncio.to_thread(build.model_path, cfg, self._tokenizer,
+                                                  engines=self._user_engines is None,
+                                                  trainer=self._user_trainer is None)
+        self.setup["model_s"] = time.monotonic() - t_model  # building the built-in model the first time
+        # the tokenizer loads (seconds, for a large vocabulary) while the session opens and the engines
+        # and the trainer start: only the prompts and texts built after them need it
+        tokenizing = asyncio.create_task(asyncio.to_thread(_timed, build.tokenizer_of, cfg, self._tokenizer,
+                                                           self.model_path), name="tokenizer_load")
+        tokenizing.add_done_callback(_retrieved)  # a set-up that fails before reading it leaves no stray error
 
         session = await asyncio.to_thread(open_session, cfg, self.run_dir, resume=self._resume,
                                           force=self._force_resume, fingerprint=fingerprint, total=self.source.total,
@@ -251,6 +256,7 @@ class Pipeline:
                                  pins=pins, max_staleness=pc.max_staleness, full_weights=cfg.trainer.update == "full")
         self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path, self._early_trainer)
         self.setup.update(await build.start(self.engines, self.trainer, cfg.engine.start_timeout_s))
+        self.tokenizer, self.setup["tokenizer_s"] = await tokenizing
         builder = build.prompt_builder(cfg, self.tokenizer, self.model_path, self.engines)  # needs started engines
         if session.checkpoint is not None:
             await continue_trainer(self.trainer, session.checkpoint, self.store, self.versions, self.start_version)
@@ -341,3 +347,15 @@ class Pipeline:
                 checkpoint_step=self.training.checkpoint_step, stopped_by=self.stopped_by)
             await self.reporting.finish(self.summary, self._t_start, self.eval_rows)
         close_logging()
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
+    """fn(*args) and the seconds it took (in a worker thread, beside what the loop awaits meanwhile)."""
+    t = time.monotonic()
+    return fn(*args), time.monotonic() - t
+
+
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Take a finished task's outcome, so an error nobody awaited is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -167,7 +167,7 @@ class Reporting:
             "steps": len(rows),
             "wall_s": self.wall0 + wall,
             "setup_s": setup_s,
-            "setup": dict(setup),  # its parts: data_s, model_s, engines_start_s, trainer_start_s
+            "setup": dict(setup),  # its parts: data_s, model_s, tokenizer_s (beside the starts), engines_start_s, trainer_start_s
             "groups_started": started,
             "groups_trained": trained,
             "groups_dropped": dict(dropped),

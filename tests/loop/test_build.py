@@ -112,3 +112,23 @@ def test_no_run_holds_more_sequences_on_an_engine_than_its_graph_size(tmp_path: 
     assert summary["accounting_ok"] and summary["steps"] == 6
     training = (K + 1) * B * n
     assert training <= engine.peak <= graph_sequences(cfg)
+
+
+def test_a_model_path_without_a_tokenizer_is_refused_naming_it_once_the_engines_have_started(tmp_path: Path) -> None:
+    """The tokenizer loads beside the engines' start; one that cannot load still ends the set-up with
+    a ConfigError naming model.path, and the run's directory holds its summary."""
+    from pipeline.errors import ConfigError
+
+    import shutil
+
+    from pipeline.models.builtin import build_model
+
+    built = build_model("tiny", tmp_path / "cache", seed=0)
+    model = tmp_path / "model"  # the tiny model's weights and config, without its tokenizer's files
+    model.mkdir()
+    for f in [built / "config.json", *built.glob("*.safetensors")]:
+        shutil.copy(f, model)
+    cfg = sim_config(tmp_path, steps=2, **{"model.path": str(model)})
+    p = Pipeline(cfg, prompts=PROMPTS, reward=constant, console=False)
+    with pytest.raises(ConfigError, match=r"^model\.path: no tokenizer could be loaded from .*model"):
+        p.run_sync()

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import math
+import time
 
 import numpy as np
 import pytest
@@ -461,11 +462,28 @@ def test_a_checkpoint_without_a_fingerprint_resumes_with_a_warning(tmp_path):
     assert [e["level"] for e in _events(p) if e["event"] == "resume_unchecked"] == ["warning"]
 
 
-def test_the_summary_says_how_long_set_up_took_and_on_what(tmp_path):
+def test_the_summary_says_how_long_set_up_took_and_on_what(tmp_path, monkeypatch):
+    """The tokenizer loads while the engines start: a slow one costs the set-up no more than its excess."""
+    from pipeline.engines.simulated import SimulatedEngine
+    from pipeline.loop import build
+
+    def slow_tokenizer(cfg, tokenizer, path):
+        time.sleep(0.8)
+        return tokenizer or None
+
+    start = SimulatedEngine.start
+
+    async def slow_start(self):
+        await asyncio.sleep(1.0)
+        await start(self)
+
+    monkeypatch.setattr(build, "tokenizer_of", slow_tokenizer)
+    monkeypatch.setattr(SimulatedEngine, "start", slow_start)
     p, summary = run(sim_config(tmp_path, steps=2, step_s=0.0))
     parts = summary["setup"]
-    assert set(parts) == {"data_s", "model_s", "engines_start_s", "trainer_start_s"}
-    assert all(v >= 0 for v in parts.values())
-    # data and model one after the other, then engines and trainer together, then the rest
-    assert summary["setup_s"] >= parts["data_s"] + parts["model_s"] + max(parts["engines_start_s"],
-                                                                          parts["trainer_start_s"])
+    assert set(parts) == {"data_s", "model_s", "tokenizer_s", "engines_start_s", "trainer_start_s"}
+    assert all(v >= 0 for v in parts.values()) and parts["tokenizer_s"] >= 0.8 and parts["engines_start_s"] >= 1.0
+    # data and model one after the other, then engines and trainer together, the tokenizer beside them
+    serial = parts["data_s"] + parts["model_s"]
+    assert summary["setup_s"] >= serial + max(parts["engines_start_s"], parts["trainer_start_s"], parts["tokenizer_s"])
+    assert summary["setup_s"] < serial + parts["engines_start_s"] + parts["tokenizer_s"] - 0.5
