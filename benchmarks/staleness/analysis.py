@@ -153,7 +153,9 @@ def run_figures(p: Pipeline, K: int, warmup: int, learns: bool, group_size: int,
         "loop_lag_p99_ms": s["loop_lag_p99_ms"],
         "publish_to_loaded_ms_mean": float(p2l.mean()) if p2l.size else None,
         "publish_to_loaded_ms_p50": float(np.median(p2l)) if p2l.size else None,
+        "publish_to_loaded_ms_p99": float(np.percentile(p2l, 99)) if p2l.size else None,
         "publish_to_loaded_ms_max": float(p2l.max()) if p2l.size else None,
+        **version_parts(p.versions.parts),
         "publish_ms_mean": 1000.0 * float(np.mean([row["time/publish_s"] for row in p.metrics_rows])),
         "drain_ms_mean": 1000.0 * s["drain_s_mean"] if s["drain_s_mean"] is not None else None,
         "groups_dropped": s["groups_dropped"], "groups_failed": s["groups_failed"],
@@ -163,6 +165,18 @@ def run_figures(p: Pipeline, K: int, warmup: int, learns: bool, group_size: int,
     if learns:
         out.update({"reward_final": float(np.mean(rewards[-tail:])), "reward_mean": float(np.mean(rewards)),
                     "reward_curve": rewards, "samples": s["groups_trained"] * group_size})
+    return out
+
+
+def version_parts(parts: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
+    """Where publish-to-loaded went, over the run's versions: the adapter loop getting to a version,
+    verifying it, the engines loading it (ms, p50 and p99 each)."""
+    out: dict[str, Any] = {}
+    for part in ("wait_s", "verify_s", "load_s"):
+        ms = np.asarray([v[part] for v in parts.values()], dtype=np.float64) * 1000.0
+        name = part.removesuffix("_s")
+        out[f"adapter_{name}_ms_p50"] = float(np.median(ms)) if ms.size else None
+        out[f"adapter_{name}_ms_p99"] = float(np.percentile(ms, 99)) if ms.size else None
     return out
 
 
@@ -208,6 +222,10 @@ def against_baselines(results: list[dict[str, Any]], standalone: dict[str, Any],
 # ====================================================================== report
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def render_table(res: dict[str, Any], reward: bool) -> str:
     headers = ["K", "groups/s", "tokens/s", "speedup", "ideal", "gen busy", "train busy", "stale mean",
                "stale max", "lag p99 ms", "pub->load ms", "train gap ms", "gen depth", "gen kept"]
@@ -248,6 +266,14 @@ def report(res: dict[str, Any], title: str, batch_groups: int, learns: bool, not
                      "beyond t_gen + t_train")
     tbl = render_table(res, learns)
     lines.append(tbl)
+    lines.append("a version's way to the engines, publish to serving and its parts (ms, p50 / p99): the adapter "
+                 "loop getting to it, verifying it, the engines loading it")
+    lines.append(common.table(
+        ["K", "versions", "publish->serving", "loop wait", "verify", "engines load"],
+        [[r["max_staleness"], r["steps"],
+          *(f"{_ms(r.get(f'{k}_ms_p50'))} / {_ms(r.get(f'{k}_ms_p99'))}"
+            for k in ("publish_to_loaded", "adapter_wait", "adapter_verify", "adapter_load"))]
+         for r in res["results"]]))
     if "standalone_by_depth" in st:  # the engine alone was measured at each run's depth too (vLLM)
         for r in res["results"]:
             if r["gen_kept_of_standalone"] is not None:

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import Counter
 from typing import Callable, Protocol, Sequence
@@ -170,6 +171,9 @@ class Versions:
                                    else LoraSwap())
         self.publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
+        # where a version's publish-to-loaded went: version -> seconds the adapter loop took to get to
+        # it (busy with the last version's unloads and pruning), verifying it, and the engines' loads
+        self.parts: dict[int, dict[str, float]] = {}
         self.load_failures: dict[int, str] = {}
         self._published = asyncio.Event()
         self._serving = asyncio.Event()  # set (then replaced) when engines serve a new version
@@ -188,6 +192,13 @@ class Versions:
     def drain_s(self) -> dict[int, float]:
         """Version -> seconds admission paused before its load (full weights; empty with LoRA)."""
         return self.swap.drain_s
+
+    def metrics(self, version: int) -> dict[str, float]:
+        """The step row's figures of `version`'s way to the engines (NaN where it has not served):
+        publish to serving, and its parts (the loop getting to it, verifying it, the engines' loads)."""
+        parts = self.parts.get(version, {})
+        return {"adapter/publish_to_loaded_s": self.publish_to_loaded.get(version, math.nan),
+                **{f"adapter/{k}": parts.get(k, math.nan) for k in ("wait_s", "verify_s", "load_s")}}
 
     def published(self, ref: AdapterRef) -> None:
         """The trainer published `ref`: the adapter loop takes it from here."""
@@ -222,10 +233,13 @@ class Versions:
             if newest <= served:
                 continue
             ref = self.adapters[newest]
+            t_woke = time.monotonic()
             try:
                 # the directory is checked against its manifest before any engine reads it
                 await asyncio.to_thread(self.store.verify_dir, ref.path)
+                t_verified = time.monotonic()
                 await self.swap.before_load(newest)
+                t_loading = time.monotonic()
                 await self.load_on_engines(ref)
             except (AdapterError, OSError) as e:
                 await self.swap.after_failed_load(self.adapters[served])
@@ -238,7 +252,10 @@ class Versions:
                                        f"(last: {ref.path}: {e}); version {served} is the newest they serve and "
                                        f"max_staleness = {K} allows no older data") from e
                 continue
-            self.publish_to_loaded[newest] = time.monotonic() - self.publish_t[newest]
+            t_loaded = time.monotonic()
+            self.publish_to_loaded[newest] = t_loaded - self.publish_t[newest]
+            self.parts[newest] = {"wait_s": t_woke - self.publish_t[newest], "verify_s": t_verified - t_woke,
+                                  "load_s": t_loaded - t_loading}
             served = self.set.served = newest  # an engine restarted from now on loads it before it serves
             self._serving_changed()
             structlog.contextvars.bind_contextvars(policy_version=served)

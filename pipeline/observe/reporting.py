@@ -113,7 +113,7 @@ class Reporting:
             "engine/in_rotation": len(self.rotation.healthy),
             "rollout/versions_verified": len(batch.groups),
             **times,
-            "adapter/publish_to_loaded_s": self.versions.publish_to_loaded.get(ref.version - 1, float("nan")),
+            **self.versions.metrics(ref.version - 1),
             "busy/generator": self.generator_busy() / max(wall, 1e-9),
             "busy/trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
             "loop/lag_p99_ms": self.lag.percentile_ms(99, last=2000),
@@ -198,6 +198,8 @@ class Reporting:
             "busy_generator": self.generator_busy() / max(wall, 1e-9),
             "busy_trainer": self.trainer_busy.busy_total() / max(wall, 1e-9),
             "publish_to_loaded_s_mean": float(np.mean(list(versions.publish_to_loaded.values())))
+            if versions.publish_to_loaded else None,
+            "publish_to_loaded_s_p99": float(np.percentile(list(versions.publish_to_loaded.values()), 99))
             if versions.publish_to_loaded else None,
             "drain_s_mean": float(np.mean(list(versions.drain_s.values()))) if versions.drain_s else None,
             "loop_lag_p99_ms": self.lag.percentile_ms(99),

@@ -266,3 +266,41 @@ def test_full_weight_mode_puts_the_served_weights_back_when_one_engine_fails_to_
             assert good.loaded_versions == bad.loaded_versions == {2}
 
     asyncio.run(main())
+
+
+class SlowLoad(SimulatedEngine):
+    """A simulated engine whose adapter loads take `load_s`."""
+
+    def __init__(self, load_s: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.load_s = load_s
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        await asyncio.sleep(self.load_s)
+        await super().load_adapter(adapter)
+
+
+def test_a_versions_way_to_the_engines_is_told_in_its_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verifying takes 0.15 s and the engines' load 0.25 s: the step row says so, part by part, and
+    publish-to-serving holds both; a version not yet served has NaN figures."""
+    verify = AdapterStore.verify_dir
+
+    def slow_verify(self: AdapterStore, path: str) -> Any:
+        time.sleep(0.15)
+        return verify(self, path)
+
+    monkeypatch.setattr(AdapterStore, "verify_dir", slow_verify)
+
+    async def main() -> dict[str, float]:
+        run = Run(tmp_path, [SlowLoad(0.25, name="slow-load")])
+        async with run.loop():
+            await run.serve(1)
+        return run.versions.metrics(1)
+
+    m = asyncio.run(main())
+    assert 0.15 <= m["adapter/verify_s"] < 0.25 and 0.25 <= m["adapter/load_s"] < 0.35
+    assert 0 <= m["adapter/wait_s"] < 0.1
+    parts = m["adapter/wait_s"] + m["adapter/verify_s"] + m["adapter/load_s"]
+    assert parts <= m["adapter/publish_to_loaded_s"] < parts + 0.05
+    later = Run(tmp_path / "other", [SimulatedEngine(name="idle")]).versions.metrics(1)
+    assert all(np.isnan(v) for v in later.values()) and set(later) == set(m)
