@@ -12,6 +12,12 @@ summary.json (`setup_s` and its parts: data, model, engines' start, trainer's st
 the trainer start together, so their parts overlap), the steps' wall time, and the rest (Python
 and library imports, shutdown).
 
+With `--trl` (a vLLM config, one GPU; needs the `bench` extra), TRL's GRPOTrainer is set up beside
+it the same way, cold then warm, each in a child process with caches of its own: the same built
+model (ours builds it first), vLLM in colocate mode at the same share of the GPU, the same LoRA,
+group size, completion length and micro-batch, and the same number of steps. Its set-up is the
+GRPOTrainer constructor (the model, vLLM, the trainer), its steps the first `--steps` steps.
+
 Writes setup_time_<config>_<hardware>.json.
 """
 
@@ -46,6 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(common.DEFAULT_OUT))
     p.add_argument("--tag", default="", help="appended to the result's file name")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="a run that takes longer is an error")
+    p.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer (vLLM colocate) set up beside, cold and warm")
+    p.add_argument("--trl-child", help=argparse.SUPPRESS)  # internal: one TRL set-up, in a process of its own
     args = p.parse_args(argv)
     if args.steps < 1 or args.warm < 0:
         p.error("--steps must be >= 1 and --warm >= 0")
@@ -75,11 +83,114 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
     return {"run": index, "cache": "cold" if index == 0 else "warm", "process_s": process_s,
             "setup_s": s["setup_s"], **{k: s["setup"].get(k) for k in PARTS}, "steps_s": s["wall_s"],
             "rest_s": process_s - s["setup_s"] - s["wall_s"], "steps": s["steps"],
-            "groups_per_s": s.get("groups_per_s"), "console_tail": proc.stdout.splitlines()[-12:]}
+            "groups_per_s": s.get("groups_per_s"), "model_path": model_of(out),
+            "console_tail": proc.stdout.splitlines()[-12:]}
+
+
+def model_of(run_dir: Path) -> str | None:
+    """The model directory a run used (its pipeline_ready event; None if it logged none)."""
+    events = run_dir / "events.jsonl"
+    for line in events.read_text().splitlines() if events.is_file() else ():
+        event = json.loads(line)
+        if event.get("event") == "pipeline_ready":
+            return event.get("model")
+    return None
+
+
+# ====================================================================== TRL beside it
+
+
+def trl_settings(config: str | None, overrides: Sequence[str], model_path: str) -> dict[str, Any]:
+    """The run's settings that TRL's side takes, from the resolved config of ours."""
+    from pipeline.config.io import load_config, parse_override
+
+    cfg = load_config(config, dict(parse_override(kv) for kv in overrides))
+    if cfg.engine.kind != "vllm" or len(cfg.engine.devices) != 1:
+        raise SystemExit("error: --trl compares one in-process vLLM engine (engine.kind = \"vllm\", one device)")
+    t = cfg.trainer
+    return {"model_path": model_path, "batch_groups": cfg.pipeline.batch_groups, "n": cfg.sampling.n,
+            "max_new_tokens": cfg.sampling.max_new_tokens, "micro_batch": t.micro_batch_sequences or
+            cfg.pipeline.batch_groups * cfg.sampling.n, "lr": t.lr, "lora_rank": t.lora_rank,
+            "lora_alpha": t.lora_alpha, "bf16": t.dtype == "bfloat16",
+            "gpu_memory_utilization": cfg.engine.vllm.gpu_memory_utilization,
+            "max_model_len": cfg.engine.vllm.max_model_len, "seed": cfg.seed}
+
+
+def trl_child(call_path: str) -> None:
+    """One TRL set-up and its first steps (in a process of its own); writes its timings beside the call."""
+    t_process = time.monotonic()
+    call = json.loads(Path(call_path).read_text())
+    st, steps = call["settings"], call["steps"]
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    t_imported = time.monotonic()
+    B, n = st["batch_groups"], st["n"]
+    data = Dataset.from_list([{"prompt": f"Say something about {i}:"} for i in range(B * max(steps, 1) * 2)])
+    step_ends: list[float] = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, *a: Any, **kw: Any) -> None:
+            step_ends.append(time.monotonic())
+
+    def length(prompts: list[str], completions: list[str], **kw: Any) -> list[float]:
+        return [float(len(c) % 7) for c in completions]
+
+    targs = GRPOConfig(
+        output_dir=call["out_dir"], seed=st["seed"], max_steps=steps, learning_rate=st["lr"],
+        per_device_train_batch_size=st["micro_batch"], gradient_accumulation_steps=B * n // st["micro_batch"],
+        num_generations=n, max_completion_length=st["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, loss_type="dapo", lr_scheduler_type="constant", bf16=st["bf16"], use_vllm=True,
+        vllm_mode="colocate", vllm_gpu_memory_utilization=st["gpu_memory_utilization"],
+        vllm_max_model_length=st["max_model_len"], report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, gradient_checkpointing=False, log_completions=False)
+    t0 = time.monotonic()
+    trainer = GRPOTrainer(model=st["model_path"], reward_funcs=length, args=targs, train_dataset=data,
+                          processing_class=AutoTokenizer.from_pretrained(st["model_path"]),
+                          peft_config=LoraConfig(r=st["lora_rank"], lora_alpha=st["lora_alpha"], lora_dropout=0.0,
+                                                 target_modules="all-linear", bias="none", task_type="CAUSAL_LM"),
+                          callbacks=[Steps()])
+    t_built = time.monotonic()
+    trainer.train()
+    t_trained = time.monotonic()
+    Path(call["result"]).write_text(json.dumps({
+        "imports_s": t_imported - t_process, "setup_s": t_built - t0, "steps_s": t_trained - t_built,
+        "first_step_s": step_ends[0] - t_built if step_ends else None, "steps": len(step_ends)}))
+
+
+def trl_run(args: argparse.Namespace, scratch: Path, index: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """TRL's set-up once, in a child process, its compile caches under scratch/trl-caches."""
+    from pipeline.engines.vllm_launch import free_port
+
+    caches = scratch / "trl-caches"
+    out = scratch / f"trl-run-{index}"
+    out.mkdir(parents=True, exist_ok=True)
+    call, result = out / "call.json", out / "result.json"
+    call.write_text(json.dumps({"settings": settings, "steps": args.steps, "out_dir": str(out / "trainer"),
+                                "result": str(result)}))
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+           "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1",
+           # TRL's colocated vLLM starts torch.distributed as one process of one
+           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-child", str(call)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=args.timeout_s)
+    process_s = time.monotonic() - t0
+    if proc.returncode != 0 or not result.is_file():
+        raise SystemExit(f"error: TRL run {index} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    r = json.loads(result.read_text())
+    return {"run": index, "cache": "cold" if index == 0 else "warm", "process_s": process_s, **r,
+            "rest_s": process_s - r["setup_s"] - r["steps_s"]}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.trl_child:
+        trl_child(args.trl_child)
+        return {}
     hw = common.hardware()
     with tempfile.TemporaryDirectory(prefix="setup-time-") as tmp:
         scratch = Path(args.scratch) if args.scratch else Path(tmp)
@@ -90,8 +201,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             r = runs[-1]
             print(f"run {i} ({r['cache']}): {r['process_s']:.1f} s in all, set-up {r['setup_s']:.1f} s, "
                   f"steps {r['steps_s']:.1f} s", flush=True)
+        trl = []
+        if args.trl:
+            settings = trl_settings(args.config, args.set, runs[0]["model_path"])
+            for i in range(1 + args.warm):
+                trl.append(trl_run(args, scratch, i, settings))
+                r = trl[-1]
+                print(f"TRL run {i} ({r['cache']}): {r['process_s']:.1f} s in all, set-up {r['setup_s']:.1f} s, "
+                      f"steps {r['steps_s']:.1f} s", flush=True)
     cols = ["run", "cache", "process_s", "setup_s", *PARTS, "steps_s", "rest_s"]
     tbl = common.table(cols, [[r[c] for c in cols] for r in runs])
+    if trl:
+        trl_cols = ["run", "cache", "process_s", "setup_s", "imports_s", "steps_s", "first_step_s", "rest_s"]
+        tbl += "\nTRL GRPOTrainer, vLLM colocate (set-up: its constructor)\n" + common.table(
+            trl_cols, [[r[c] for c in trl_cols] for r in trl])
+        tbl += "\nours / TRL, set-up: " + ", ".join(f"{o['cache']} {o['setup_s'] / t['setup_s']:.2f}x"
+                                                     for o, t in zip(runs, trl))
+        tbl += "; whole process: " + ", ".join(f"{o['cache']} {o['process_s'] / t['process_s']:.2f}x"
+                                               for o, t in zip(runs, trl))
     config = Path(args.config).stem if args.config else "cpu_default"
     title = f"python run.py{' --config ' + args.config if args.config else ''} --steps {args.steps} | " \
             f"{common.hardware_tag(hw)}"
@@ -99,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(text, flush=True)
     out = Path(args.out)
     path = out / f"{BENCHMARK}_{config}_{common.hardware_tag(hw)}{args.tag}.json"
-    record = {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args), "runs": runs,
+    record = {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args), "runs": runs, "trl": trl,
               "table": tbl, "printed": text, "files": {"json": str(path)}}
     common.write_json(path, record)
     print(f"wrote {path}", flush=True)

@@ -673,6 +673,48 @@ def test_compare_in_process_sweeps_both_engines_into_one_json(tmp_path: Path, mo
     assert data["table"] in data["printed"] and "side by side: vllm, vllm_server" in data["printed"]
 
 
+def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_caches_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/setup_time.py --trl: TRL's set-up runs cold then warm in child processes of its own, on
+    the model our cold run built, with the config's group, length, micro-batch, LoRA and GPU share,
+    and its own compile caches; the ratios printed are of the figures the runs gave."""
+    st = load("setup_time")
+    ours: list[dict] = []
+    trl: list[tuple[dict, dict]] = []
+    real_run = subprocess.run
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        env = kw.get("env")
+        if "--trl-child" in cmd:
+            call = json.loads(Path(cmd[cmd.index("--trl-child") + 1]).read_text())
+            trl.append((call, env))
+            Path(call["result"]).write_text(json.dumps({"imports_s": 1.0, "setup_s": 20.0 if len(trl) == 1 else 10.0,
+                                                        "steps_s": 3.0, "first_step_s": 1.5, "steps": 2}))
+            return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+        if not str(cmd[1]).endswith("run.py"):
+            return real_run(cmd, **kw)
+        ours.append(env)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "events.jsonl").write_text(json.dumps({"event": "pipeline_ready", "model": "/models/built"}) + "\n")
+        (out / "summary.json").write_text(json.dumps({
+            "setup_s": 15.0 if len(ours) == 1 else 5.0, "wall_s": 1.0, "steps": 2, "groups_per_s": 3.0, "error": None,
+            "setup": {"data_s": 0.1, "model_s": 1.0, "tokenizer_s": 1.0, "engines_start_s": 2.0, "trainer_start_s": 3.0}}))
+        return subprocess.CompletedProcess(cmd, 0, stdout="ready\n", stderr="")
+
+    monkeypatch.setattr(st.subprocess, "run", fake_run)
+    rec = st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--steps", "2", "--warm", "1", "--trl",
+                   "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
+    assert [r["cache"] for r in rec["trl"]] == ["cold", "warm"] and [r["setup_s"] for r in rec["trl"]] == [20.0, 10.0]
+    settings = trl[0][0]["settings"]
+    assert settings["model_path"] == "/models/built" and trl[0][0]["steps"] == 2
+    assert (settings["batch_groups"], settings["n"], settings["max_new_tokens"], settings["micro_batch"],
+            settings["lora_rank"], settings["gpu_memory_utilization"]) == (32, 8, 256, 32, 16, 0.45)
+    assert {env["VLLM_CACHE_ROOT"] for _, env in trl} != {env["VLLM_CACHE_ROOT"] for env in ours}
+    assert len({env["VLLM_CACHE_ROOT"] for _, env in trl}) == 1  # TRL's warm run reuses its cold run's caches
+    assert "set-up: cold 0.75x, warm 0.50x" in rec["printed"]
+
+
 def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/setup_time.py: every run gets the same scratch caches (the first finds them empty),
     and a row from its summary.json; a run that fails stops the benchmark with its output."""
