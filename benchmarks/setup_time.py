@@ -192,20 +192,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         trl_child(args.trl_child)
         return {}
     hw = common.hardware()
+    config = Path(args.config).stem if args.config else "cpu_default"
+    path = Path(args.out) / f"{BENCHMARK}_{config}_{common.hardware_tag(hw)}{args.tag}.json"
+    runs: list[dict[str, Any]] = []
+    trl: list[dict[str, Any]] = []
+
+    def keep_partial() -> None:  # what is measured so far survives a run that fails or a machine taken back
+        common.write_json(path, {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args),
+                                 "runs": runs, "trl": trl, "partial": True})
+
     with tempfile.TemporaryDirectory(prefix="setup-time-") as tmp:
         scratch = Path(args.scratch) if args.scratch else Path(tmp)
         scratch.mkdir(parents=True, exist_ok=True)
-        runs = []
         for i in range(1 + args.warm):
             runs.append(one_run(args, scratch, i))
+            keep_partial()
             r = runs[-1]
             print(f"run {i} ({r['cache']}): {r['process_s']:.1f} s in all, set-up {r['setup_s']:.1f} s, "
                   f"steps {r['steps_s']:.1f} s", flush=True)
-        trl = []
         if args.trl:
             settings = trl_settings(args.config, args.set, runs[0]["model_path"])
             for i in range(1 + args.warm):
                 trl.append(trl_run(args, scratch, i, settings))
+                keep_partial()
                 r = trl[-1]
                 print(f"TRL run {i} ({r['cache']}): {r['process_s']:.1f} s in all, set-up {r['setup_s']:.1f} s, "
                       f"steps {r['steps_s']:.1f} s", flush=True)
@@ -219,13 +228,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                      for o, t in zip(runs, trl))
         tbl += "; whole process: " + ", ".join(f"{o['cache']} {o['process_s'] / t['process_s']:.2f}x"
                                                for o, t in zip(runs, trl))
-    config = Path(args.config).stem if args.config else "cpu_default"
     title = f"python run.py{' --config ' + args.config if args.config else ''} --steps {args.steps} | " \
             f"{common.hardware_tag(hw)}"
     text = f"set-up time -- {title}\n{tbl}"
     print(text, flush=True)
-    out = Path(args.out)
-    path = out / f"{BENCHMARK}_{config}_{common.hardware_tag(hw)}{args.tag}.json"
     record = {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args), "runs": runs, "trl": trl,
               "table": tbl, "printed": text, "files": {"json": str(path)}}
     common.write_json(path, record)
