@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Coroutine, Iterable, Mapping, Sequence
@@ -314,10 +315,13 @@ async def runs_on_one_vllm_engine(todo: Sequence[Mapping[str, Any]], model_path:
 
     from pipeline.config.io import load_config
     from pipeline.engines.vllm import VLLMEngine
+    from pipeline.loop.build import graph_sequences
     from pipeline.loop.orchestrator import Pipeline
 
-    cfg = load_config(None, {**todo[0]["overrides"], "model.path": model_path})
-    engine = VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device="cuda:0",
+    cfgs = [load_config(None, {**job["overrides"], "model.path": model_path}) for job in todo]
+    # CUDA graphs for the deepest job's batches, as each job's own engine would capture for it
+    vcfg = replace(cfgs[0].engine.vllm, max_cudagraph_capture_size=max(map(graph_sequences, cfgs)))
+    engine = VLLMEngine(model_path, sampling=cfgs[0].sampling, cfg=vcfg, device="cuda:0",
                         max_staleness=max_staleness, name="vllm-0")
     t = time.monotonic()
     await engine.start()

@@ -76,11 +76,12 @@ async def main(args: argparse.Namespace) -> dict:
     engines = None
     if args.engine == "vllm":
         from pipeline.engines.vllm import VLLMEngine
+        from pipeline.loop.build import vllm_config
         from pipeline.models.builtin import build_model
 
         model_path = cfg.model.path or str(build_model(cfg.model.shape, cfg.model.cache_dir, seed=cfg.seed))
         cfg = load_config(args.config, {**overrides, "model.path": model_path})
-        engine = VLLMEngine(model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=args.engine_device,
+        engine = VLLMEngine(model_path, sampling=cfg.sampling, cfg=vllm_config(cfg), device=args.engine_device,
                             max_staleness=cfg.pipeline.max_staleness, name="vllm-0")
         t = time.monotonic()
         await engine.start()

@@ -104,7 +104,7 @@ def trl_settings(config: str | None, overrides: Sequence[str], model_path: str) 
     """The run's settings that TRL's side takes, from the resolved config of ours."""
     from pipeline.config.io import load_config, parse_override
 
-    cfg = load_config(config, dict(parse_override(kv) for kv in overrides))
+    cfg = load_config(config, {".".join(key): value for key, value in map(parse_override, overrides)})
     if cfg.engine.kind != "vllm" or len(cfg.engine.devices) != 1:
         raise SystemExit("error: --trl compares one in-process vLLM engine (engine.kind = \"vllm\", one device)")
     t = cfg.trainer

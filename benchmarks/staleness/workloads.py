@@ -479,12 +479,13 @@ class VLLMWorkload(ModelWorkload):
         """Build and start `self.engine`, sized for the sweep's largest K (`self.engine` is set before
         it starts, so `close()` ends a start that failed half way)."""
         from pipeline.engines.vllm import VLLMEngine
+        from pipeline.loop.build import vllm_config
 
         a = self.args
         K = max(a.staleness_list)
         cfg = self.config(K, Path("unused"))
         # max_staleness sizes the adapters the engine keeps: the largest K of the sweep serves them all
-        self.engine = VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=cfg.engine.vllm, device=a.engine_device,
+        self.engine = VLLMEngine(self.model_path, sampling=cfg.sampling, cfg=vllm_config(cfg), device=a.engine_device,
                                  max_staleness=K, name="vllm-0", seed=cfg.engine.vllm.seed,
                                  full_weights=a.update == "full")
         self.max_loras = self.engine.max_loras

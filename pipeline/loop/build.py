@@ -224,6 +224,12 @@ def graph_sequences(cfg: RunConfig) -> int:
     return min(grid, vc.max_num_seqs)
 
 
+def vllm_config(cfg: RunConfig) -> Any:
+    """engine.vllm with its CUDA-graph size resolved for this run (`graph_sequences`): what a vLLM
+    engine of the run, or one a benchmark builds for it, is given."""
+    return replace(cfg.engine.vllm, max_cudagraph_capture_size=graph_sequences(cfg))
+
+
 def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
                   run_dir: str | Path | None = None) -> list[Engine]:
     """One engine per engine.devices entry (per vllm_server.urls entry for servers someone else
@@ -257,7 +263,7 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
     else:
         from pipeline.engines.vllm import VLLMEngine
 
-        vcfg = replace(cfg.engine.vllm, max_cudagraph_capture_size=graph_sequences(cfg))
+        vcfg = vllm_config(cfg)
         make = lambda i, dev: VLLMEngine(model_path, sampling=cfg.sampling, cfg=vcfg, device=dev,
                                                    max_staleness=K, name=f"vllm-{i}",
                                                    seed=cfg.engine.vllm.seed + offset + i, full_weights=full)
