@@ -33,9 +33,16 @@ REPO = Path(__file__).resolve().parents[1]
 TARGETS = {
     "trainer/loss": ["tests/trainer/test_loss.py", "tests/trainer/test_trainer_learning.py"],
     "loop/buffer": ["tests/loop/test_buffer.py"],
-    "loop/scoring": ["tests/loop/test_scoring.py", "tests/data/test_rewards.py", "tests/loop/test_episodes.py"],
+    "loop/scoring": ["tests/loop/test_scoring.py", "tests/data/test_rewards.py", "tests/loop/test_episodes.py",
+                     "tests/loop/test_version_guard.py"],
     "loop/training": ["tests/loop/test_training.py", "tests/loop/test_orchestrator.py"],
     "trainer/policy": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_learning.py"],
+    # the trainer split's parts of a step: the rows and micro-batches, and the LoRA / full-weight update
+    "trainer/rows": ["tests/trainer/test_trainer_learning.py", "tests/trainer/test_trainer_mask.py",
+                     "tests/trainer/test_trainer.py"],
+    "trainer/update": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_full.py"],
+    # the one owner of a group's life: its exits into the ledger and the rollout log
+    "loop/outcomes": ["tests/loop/test_outcomes.py", "tests/loop/test_orchestrator.py"],
     "loop/episodes": ["tests/loop/test_episodes.py"],
     "store/ledger": ["tests/store/test_ledger.py"],
 }
