@@ -407,7 +407,11 @@ class VLLMEngine:
             # its own): every batch the scheduler can form runs as a graph (vLLM alone stops at 512)
             max_cudagraph_capture_size=self.cfg.max_cudagraph_capture_size or self.cfg.max_num_seqs,
             **({} if self.full_weights else {"enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
-                                             "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras}),
+                                             "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
+                                             # one graph per size, with LoRA: vLLM would capture each size again
+                                             # without it, for batches on no adapter, which a run has only
+                                             # before its first version; the capture costs set-up time
+                                             "compilation_config": {"cudagraph_specialize_lora": False}}),
             # raw == processed under the on-policy settings; raw is the path measured on our host.
             logprobs_mode="raw_logprobs" if on_policy else "processed_logprobs",
             disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused

@@ -88,6 +88,8 @@ class VLLMServeProcess:
         self.argv = [*program, str(self.model_path), "--host", host, "--port", str(self.port),
                      "--gpu-memory-utilization", str(gpu_memory_utilization), "--max-model-len", str(max_model_len),
                      "--max-num-seqs", str(max_num_seqs), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
+                     # as the in-process engine: graphs with LoRA only (engines.vllm says why)
+                     "--compilation-config", '{"cudagraph_specialize_lora": false}',
                      "--max-loras", str(max_loras), *(["--enforce-eager"] if enforce_eager else []),
                      *(["--max-cudagraph-capture-size", str(max_cudagraph_capture_size)]
                        if max_cudagraph_capture_size and not enforce_eager else []), *extra]

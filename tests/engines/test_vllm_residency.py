@@ -27,7 +27,8 @@ class RecordingAsyncLLM:
 
     instances: list[RecordingAsyncLLM] = []
 
-    def __init__(self) -> None:
+    def __init__(self, args: Any = None) -> None:
+        self.args = args  # what the engine built vLLM with
         self.model_config = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: 100)
         self.vllm_config = SimpleNamespace(compilation_config=SimpleNamespace(max_cudagraph_capture_size=0))
         self.errored = False
@@ -38,7 +39,7 @@ class RecordingAsyncLLM:
 
     @classmethod
     def from_engine_args(cls, args: object) -> RecordingAsyncLLM:
-        cls.instances.append(cls())
+        cls.instances.append(cls(args))
         return cls.instances[-1]
 
     async def add_lora(self, lora: SimpleNamespace) -> bool:
@@ -226,3 +227,22 @@ def test_a_failed_add_lora_leaves_nothing_resident(tmp_path: Path, monkeypatch: 
         assert engine.loaded_adapters == (a1.name,)
 
     run_engine(tmp_path, monkeypatch, 0, body)
+
+
+@pytest.mark.parametrize("full_weights", [False, True], ids=["lora", "full"])
+def test_graphs_are_captured_once_per_size_with_lora_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          full_weights: bool) -> None:
+    """With LoRA, vLLM is told not to capture every size a second time without LoRA (a run samples on
+    no adapter only before its first version); full weights have no LoRA and say nothing of it."""
+    fake_vllm(monkeypatch)
+    model = tmp_path / "model"
+    model.mkdir()
+    engine = VLLMEngine(model, sampling=SamplingConfig(), cfg=VLLMEngineConfig(max_cudagraph_capture_size=48),
+                        full_weights=full_weights)
+    asyncio.run(engine.start())
+    args = RecordingAsyncLLM.instances[-1].args
+    assert args.max_cudagraph_capture_size == 48
+    if full_weights:
+        assert not hasattr(args, "enable_lora") and not hasattr(args, "compilation_config")
+    else:
+        assert args.enable_lora and args.compilation_config == {"cudagraph_specialize_lora": False}

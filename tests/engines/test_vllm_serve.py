@@ -112,6 +112,7 @@ def test_start_waits_for_health_and_narrows_the_gpu_for_the_child_only(tmp_path:
                         ("--max-lora-rank", "16"), ("--max-num-seqs", "1024")):
         assert argv[argv.index(flag) + 1] == value, (flag, argv)
     assert {"--enable-lora", "--enforce-eager", "--stand-in-delay"} <= set(argv)
+    assert json.loads(argv[argv.index("--compilation-config") + 1]) == {"cudagraph_specialize_lora": False}
 
 
 @linux_only
