@@ -311,3 +311,21 @@ def test_process_trainer_in_full_mode_matches_the_in_thread_trainer(model_dir: P
             child.recompute_logprobs([_group(0, PROMPT, version=5)])
     finally:
         child.close()
+
+
+def test_the_kl_reference_of_full_weights_is_the_frozen_base_model(model_dir: Path):
+    """loss.kl_coef > 0 with full weights: every weight trains, so the reference is a copy of the
+    starting model that no step moves; the penalty is 0 at the first step and grows as the policy leaves it."""
+    trainer = PolicyTrainer(model_dir, TrainerConfig(update="full", lora_rank=4), LossConfig(kl_coef=0.5), seed=0)
+    trainer.setup()
+    first = trainer.step(_batch(1)).metrics
+    assert first["train/kl_ref"] == pytest.approx(0.0, abs=1e-9)
+    for step in range(2, 5):
+        stats = trainer.step(_batch(step)).metrics
+    assert stats["train/kl_ref"] > 1e-6
+    base = models.load_causal_lm(model_dir, "cpu", "float32")
+    group = _batch(1).groups[0]
+    rows = trainer._rows([group])
+    got = trainer._fixed_logprobs(rows, reference=True)[0][len(group.prompt.token_ids):].numpy()
+    np.testing.assert_allclose(got, _logprobs(base, group)[0], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(got, _logprobs(trainer.model, group)[0], atol=1e-4)  # the policy moved, not it
