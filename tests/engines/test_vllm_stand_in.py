@@ -4,6 +4,7 @@ real tokens and log-probs, in process and as a process of its own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import aiohttp
 import numpy as np
@@ -34,6 +35,17 @@ async def _sim(latency_s: float = 0.0) -> SimulatedEngine:
     return engine
 
 
+@contextlib.asynccontextmanager
+async def _serving(engine: SimulatedEngine, **kw: Any) -> AsyncIterator[tuple[VLLMStandIn, str]]:
+    """The stand-in serving `engine`, and its URL; closed at the end."""
+    server = VLLMStandIn(engine, **kw)
+    url = await server.start()
+    try:
+        yield server, url
+    finally:
+        await server.close()
+
+
 async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
     async with session.post(url, json=body) as r:
         text = await r.text()
@@ -50,9 +62,7 @@ def _error(status: int, body: Any, err_type: str, param: str | None = None) -> s
 def test_completion_returns_the_engines_tokens_and_logprobs() -> None:
     async def main() -> None:
         engine = await _sim()
-        server = VLLMStandIn(engine, model_name="base-model")
-        url = await server.start()
-        try:
+        async with _serving(engine, model_name="base-model") as (server, url):
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"{url}/v1/models") as r:
                     models = await r.json()
@@ -63,8 +73,6 @@ def test_completion_returns_the_engines_tokens_and_logprobs() -> None:
                 body = {"model": "base-model", "prompt": [5, 6, 7], "n": 3, "max_tokens": 4, "temperature": 1.0,
                         "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
                 status, out = await _post(s, f"{url}/v1/completions", body)
-        finally:
-            await server.close()
         assert status == 200, out
         assert server.requests == [body]
         # the server's first group is group 0: the same call in process gives the same samples
@@ -94,9 +102,7 @@ def test_adapters_and_errors_answer_as_vllm(tmp_path: Path) -> None:
 
     async def main() -> None:
         engine = await _sim()
-        server = VLLMStandIn(engine, model_name="base-model")
-        url = await server.start()
-        try:
+        async with _serving(engine, model_name="base-model") as (server, url):
             async with aiohttp.ClientSession() as s:
                 status, out = await _post(s, f"{url}/v1/completions", {"model": "v1", "prompt": [1], "max_tokens": 2})
                 assert status == 404 and _error(404, out, "NotFoundError", "model") == "The model `v1` does not exist."
@@ -128,8 +134,6 @@ def test_adapters_and_errors_answer_as_vllm(tmp_path: Path) -> None:
                 status, out = await _post(s, f"{url}/v1/unload_lora_adapter", {"lora_name": adapter.name})
                 assert (status, out) == (200, f"Success: LoRA adapter '{adapter.name}' removed successfully.")
                 assert 7 not in engine.loaded_versions
-        finally:
-            await server.close()
 
     asyncio.run(main())
 
@@ -137,10 +141,8 @@ def test_adapters_and_errors_answer_as_vllm(tmp_path: Path) -> None:
 def test_api_key_and_client_disconnect_abort() -> None:
     async def main() -> None:
         engine = await _sim(latency_s=30.0)
-        server = VLLMStandIn(engine, api_key="secret", runtime_lora=False)
-        url = await server.start()
         body = {"prompt": [1, 2], "max_tokens": 2}
-        try:
+        async with _serving(engine, api_key="secret", runtime_lora=False) as (server, url):
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"{url}/health") as r:
                     assert r.status == 200
@@ -155,8 +157,6 @@ def test_api_key_and_client_disconnect_abort() -> None:
                 await asyncio.gather(call, return_exceptions=True)
             await asyncio.wait_for(server.wait_for_in_flight(0), 5)
             assert server.aborted == 1 and engine.stats["cancelled"] == 1
-        finally:
-            await server.close()
 
     asyncio.run(main())
 

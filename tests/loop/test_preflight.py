@@ -168,7 +168,8 @@ def test_a_pipeline_refuses_at_set_up_before_building_anything(tmp_path: Path) -
 
 def test_the_preflight_imports_none_of_the_packages_it_looks_for() -> None:
     # find_spec's lookup: importing torch, TensorBoard or wandb costs seconds before any error is said
-    code = ("import importlib.util, sys; from pipeline.config.io import load_config; "
+    # (nor does importing the trackers' module, which imports each package only when a run opens it)
+    code = ("import importlib.util, sys; from pipeline.config.io import load_config; import pipeline.observe.trackers; "
             "from pipeline.loop.preflight import preflight; "
             "names = [n for n in ('tensorboard', 'wandb') if importlib.util.find_spec(n)]; "
             "assert 'tensorboard' in names; preflight(load_config(None, {'log.trackers': names})); "
