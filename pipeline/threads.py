@@ -7,19 +7,38 @@ workers of a `ThreadPoolExecutor`, and asyncio's default executor is one). A cal
 for a worker: an idle one takes it, or a new one starts, so a call stuck for good holds only
 its own thread and a timeout counts only the call's own time.
 
-Invariants: `submit` starts the call at once; its future gets the result or the exception;
-nothing here ever blocks waiting for a call; a worker idle for IDLE_S seconds ends.
+A call its caller stopped waiting for (`run` cancelled: a timeout) is abandoned: it goes on in
+its thread, counted until it returns. Threads stuck for good add up, and each one that wakes
+competes for the GIL with the run (thousands of them, from an environment that hangs on some
+rows across an eval round, slowed a 2-core run tenfold): past MAX_ABANDONED at once, a new call
+is refused with UserCodeStuckError, a FatalError that ends the run naming the calls.
+
+Invariants: `submit` starts the call at once (or refuses it, past MAX_ABANDONED); its future gets
+the result or the exception; nothing here ever blocks waiting for a call; a worker idle for
+IDLE_S seconds ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import itertools
 import queue
 import threading
+import time
 from concurrent.futures import Executor, Future
 from typing import Any, Callable
 
+from pipeline.errors import FatalError
+
 IDLE_S = 60.0  # an idle worker ends after this long; a later call starts another
+# abandoned calls still running at once past which new calls are refused: a few slow calls that
+# return late stay under it; a hang that repeats across rows or episodes reaches it
+MAX_ABANDONED = 64
+
+
+class UserCodeStuckError(FatalError):
+    """Too many calls of a user's code outlived their timeouts and have not returned."""
 
 
 class DaemonThreads(Executor):
@@ -32,10 +51,52 @@ class DaemonThreads(Executor):
         self._lock = threading.Lock()
         self._idle = 0  # workers waiting for a call and not yet promised one
         self._shutdown = False
+        # calls whose caller stopped waiting, until they return -> (what was called, when it was given up)
+        self._abandoned: dict[Future, tuple[str, float]] = {}
+
+    @property
+    def abandoned(self) -> int:
+        """Calls given up by their callers and still running."""
+        return len(self._abandoned)
+
+    async def run(self, fn: Callable[..., Any], *args: Any, what: str = "") -> Any:
+        """fn(*args) in a daemon thread, awaited, with the caller's contextvars (as asyncio.to_thread).
+        A wait that is cancelled (the caller's timeout) abandons the call: it runs on, counted, and
+        `what` (default: fn's name) names it if the count passes MAX_ABANDONED."""
+        future = self.submit(contextvars.copy_context().run, fn, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            self._abandon(future, what or getattr(fn, "__qualname__", None) or type(fn).__name__)
+            raise
+
+    def _abandon(self, future: Future, what: str) -> None:
+        with self._lock:
+            if future.done():
+                return
+            self._abandoned[future] = (what, time.monotonic())
+        future.add_done_callback(self._returned)
+
+    def _returned(self, future: Future) -> None:
+        with self._lock:
+            self._abandoned.pop(future, None)
+
+    def _refuse_if_stuck(self) -> None:
+        with self._lock:
+            if len(self._abandoned) < MAX_ABANDONED:
+                return
+            stuck = sorted(self._abandoned.values(), key=lambda x: x[1])
+        names = sorted({what for what, _ in stuck})
+        raise UserCodeStuckError(
+            f"{len(stuck)} calls of your code outlived their timeouts and have not returned ({', '.join(names)}; "
+            f"the first given up {time.monotonic() - stuck[0][1]:.0f} s ago). Each holds a thread that competes "
+            "with the run for the CPU, so the run stops here: find what hangs (an environment's reset or step, "
+            "a reward function), or make it return")
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         if self._shutdown:
             raise RuntimeError(f"{self.name}: cannot start a call after shutdown")
+        self._refuse_if_stuck()
         future: Future = Future()
         with self._lock:
             self._work.put((future, fn, args, kwargs))

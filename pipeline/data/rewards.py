@@ -18,7 +18,6 @@ a reward function's exception escape as anything else.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import functools
 import hashlib
 import importlib
@@ -33,7 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import structlog
 
-from pipeline.errors import ConfigError, RewardError
+from pipeline.errors import ConfigError, FatalError, RewardError
 from pipeline.threads import USER_CODE
 from pipeline.types import Prompt
 
@@ -126,8 +125,9 @@ class RewardScorer:
         if self.is_async[i]:
             return await self.fns[i](prompts, completions, **kwargs)
         call = functools.partial(self.fns[i], prompts, completions, **kwargs)
-        # contextvars travel with the call (as asyncio.to_thread does): log fields stay bound
-        out = await asyncio.get_running_loop().run_in_executor(USER_CODE, contextvars.copy_context().run, call)
+        # contextvars travel with the call (as asyncio.to_thread does): log fields stay bound; one
+        # given up at the timeout is counted until it returns (pipeline.threads.MAX_ABANDONED)
+        out = await USER_CODE.run(call, what=f"reward function {self.names[i]!r}")
         if inspect.isawaitable(out):
             out = await out
         return out
@@ -237,6 +237,8 @@ class RewardScorer:
             raise RewardError(f"reward function {self.names[i]!r} took longer than reward.timeout_s = "
                               f"{self.timeout_s:g} s (it runs on in its thread; its groups failed)",
                               self.names[i]) from None
+        except FatalError:  # too many calls stuck for good: the run's problem, not these groups'
+            raise
         except Exception as e:  # a user's reward bug fails the groups it scored, not the run
             raise RewardError(f"reward function {self.names[i]!r} raised {type(e).__name__}: {e}",
                               self.names[i]) from e

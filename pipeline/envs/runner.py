@@ -12,7 +12,9 @@
   timeout or `done`, the runner takes no further step.
 - `close()` is safe to call twice and never raises: the episode's result is complete by then.
 - A sync call that times out goes on in its thread until it returns (a thread cannot be stopped);
-  its runner has finished, its result is dropped, and the run ends on time whatever it does.
+  its runner has finished, its result is dropped, and the run ends on time whatever it does. Past
+  `pipeline.threads.MAX_ABANDONED` such calls at once the next call raises UserCodeStuckError, a
+  FatalError: the run stops, naming them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import structlog
 
+from pipeline.errors import FatalError
 from pipeline.threads import USER_CODE
 from pipeline.envs.protocol import ClosableEnvironment, EnvError, Environment, EnvironmentFactory, EnvStep, EnvTimeoutError, Observation
 
@@ -74,15 +77,16 @@ class EnvRunner:
             async with deadline:
                 if inspect.iscoroutinefunction(fn):
                     out = await fn(*args)
+                elif executor is None:  # a daemon thread; given up at the timeout, it is counted until it returns
+                    out = await USER_CODE.run(fn, *args, what=f"environment {what}")
                 else:
                     loop = asyncio.get_running_loop()
                     # contextvars travel with the call (as asyncio.to_thread does): log fields stay bound
-                    out = await loop.run_in_executor(executor or USER_CODE, contextvars.copy_context().run,
-                                                     fn, *args)
+                    out = await loop.run_in_executor(executor, contextvars.copy_context().run, fn, *args)
                 if inspect.isawaitable(out):  # a sync method returning a coroutine: awaited here, on the loop
                     out = await out
                 return out
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, FatalError):  # too many calls stuck for good: the run's problem, not the group's
             raise
         except Exception as e:  # the environment's bug or slowness fails its group, not the run
             if runner is not None:
