@@ -226,7 +226,8 @@ class Pipeline:
         # and the trainer start: only the prompts and texts built after them need it
         tokenizing = asyncio.create_task(asyncio.to_thread(_timed, build.tokenizer_of, cfg, self._tokenizer,
                                                            self.model_path), name="tokenizer_load")
-        tokenizing.add_done_callback(_retrieved)  # a set-up that fails before reading it leaves no stray error
+        # a set-up that fails before reading it leaves no "exception never retrieved"
+        tokenizing.add_done_callback(lambda t: t.cancelled() or t.exception())
 
         session = await asyncio.to_thread(open_session, cfg, self.run_dir, resume=self._resume,
                                           force=self._force_resume, fingerprint=fingerprint, total=self.source.total,
@@ -353,9 +354,3 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
     """fn(*args) and the seconds it took (in a worker thread, beside what the loop awaits meanwhile)."""
     t = time.monotonic()
     return fn(*args), time.monotonic() - t
-
-
-def _retrieved(task: asyncio.Task[Any]) -> None:
-    """Take a finished task's outcome, so an error nobody awaited is not reported as never retrieved."""
-    if not task.cancelled():
-        task.exception()
