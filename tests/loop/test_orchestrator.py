@@ -482,7 +482,8 @@ def test_the_summary_says_how_long_set_up_took_and_on_what(tmp_path, monkeypatch
     p, summary = run(sim_config(tmp_path, steps=2, step_s=0.0))
     parts = summary["setup"]
     assert set(parts) == {"data_s", "model_s", "tokenizer_s", "engines_start_s", "trainer_start_s"}
-    assert all(v >= 0 for v in parts.values()) and parts["tokenizer_s"] >= 0.8 and parts["engines_start_s"] >= 1.0
+    # asyncio's loop clock may end a sleep up to its resolution early: 1.0 s read as 0.9997 s
+    assert all(v >= 0 for v in parts.values()) and parts["tokenizer_s"] >= 0.8 and parts["engines_start_s"] >= 0.99
     # data and model one after the other, then engines and trainer together, the tokenizer beside them
     serial = parts["data_s"] + parts["model_s"]
     assert summary["setup_s"] >= serial + max(parts["engines_start_s"], parts["trainer_start_s"], parts["tokenizer_s"])

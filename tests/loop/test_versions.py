@@ -298,7 +298,8 @@ def test_a_versions_way_to_the_engines_is_told_in_its_parts(tmp_path: Path, monk
         return run.versions.metrics(1)
 
     m = asyncio.run(main())
-    assert 0.15 <= m["adapter/verify_s"] < 0.25 and 0.25 <= m["adapter/load_s"] < 0.35
+    # (asyncio's loop clock may end the 0.25 s sleep up to its resolution early)
+    assert 0.15 <= m["adapter/verify_s"] < 0.25 and 0.249 <= m["adapter/load_s"] < 0.35
     assert 0 <= m["adapter/wait_s"] < 0.1
     parts = m["adapter/wait_s"] + m["adapter/verify_s"] + m["adapter/load_s"]
     assert parts <= m["adapter/publish_to_loaded_s"] < parts + 0.05
