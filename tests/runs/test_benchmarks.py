@@ -704,12 +704,12 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
 
     monkeypatch.setattr(st.subprocess, "run", fake_run)
     rec = st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--steps", "2", "--warm", "1", "--trl",
-                   "--set", "trainer.micro_batch_sequences=8", "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
+                   "--set", "trainer.micro_batch_sequences=16", "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
     assert [r["cache"] for r in rec["trl"]] == ["cold", "warm"] and [r["setup_s"] for r in rec["trl"]] == [20.0, 10.0]
     settings = trl[0][0]["settings"]
     assert settings["model_path"] == "/models/built" and trl[0][0]["steps"] == 2
     assert (settings["batch_groups"], settings["n"], settings["max_new_tokens"], settings["micro_batch"],
-            settings["lora_rank"], settings["gpu_memory_utilization"]) == (32, 8, 256, 8, 16, 0.45)  # --set too
+            settings["lora_rank"], settings["gpu_memory_utilization"]) == (32, 8, 256, 16, 16, 0.45)  # --set too
     assert {env["VLLM_CACHE_ROOT"] for _, env in trl} != {env["VLLM_CACHE_ROOT"] for env in ours}
     assert len({env["VLLM_CACHE_ROOT"] for _, env in trl}) == 1  # TRL's warm run reuses its cold run's caches
     assert "set-up: cold 0.75x, warm 0.50x" in rec["printed"]
