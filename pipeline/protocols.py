@@ -50,7 +50,9 @@ Trainer invariants:
 - `step(batch)` trains on the sampled tokens only: environment tokens (mask False) are context,
   never a term of the loss or its statistics.
 - `save_state(dir)` writes everything the next step depends on; `load_state(dir)` restores it
-  (and `version` with it) or refuses it whole, changing nothing.
+  (and `version` with it) or refuses it whole, changing nothing. A trainer may also have
+  `begin_save_state(dir)`: the same state, copied at the call and written while later calls run,
+  with `pipeline.store.checkpoint.STATE_WRITTEN` put into `dir` last (JSON {"error", "sha256"}).
 """
 
 from __future__ import annotations

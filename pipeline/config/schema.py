@@ -481,6 +481,7 @@ class PipelineConfig:
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for tasks before giving up
     checkpoint_every: int = 10  # steps between checkpoints (also one at the end and on SIGINT/SIGTERM); 0 = those only
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    checkpoint_behind: bool = True  # the trainer writes a checkpoint's state while the next steps run (a copy in host memory meanwhile); false = the loop waits for it
     switch_interval_ms: float = 0.25  # Python's GIL switch interval during a run (0 = leave it): the loop waits less for a worker thread
     gc_threshold: int = 100_000  # allocations between young-generation GC passes during a run (0 = leave Python's 700)
 

@@ -9,6 +9,10 @@ Invariants:
 - A checkpoint is taken between two steps, at one moment on the loop: the ledger snapshot and
   the RolloutLog row count agree, and the rows it covers are flushed first. One is written every
   pipeline.checkpoint_every steps, at the end (after the last evaluation round) and on a stop.
+  A trainer with `begin_save_state` copies its state then and writes it behind the next steps;
+  the checkpoint is renamed into place only once the trainer's marker says its files are in
+  place, one at a time; the run's last checkpoint is complete before the train loop returns, and
+  a failed write stops the run (the checkpoint before stays the newest).
 - The engine-vs-trainer log-prob check compares the tokens the policy sampled only
   (`Completion.sampled`); environment tokens of an episode never enter it.
 - A stop request ends the loop after the step in progress; trainer.max_consecutive_skips
@@ -18,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +33,7 @@ import structlog
 
 from pipeline.store.weights import AdapterStore
 from pipeline.loop.buffer import BufferClosed
-from pipeline.store.checkpoint import CheckpointStore
+from pipeline.store.checkpoint import STATE_WRITTEN, CheckpointStore
 from pipeline.config.schema import RunConfig
 from pipeline.errors import TrainerError
 from pipeline.loop.evaluation import Evaluator, is_due
@@ -45,6 +50,7 @@ from pipeline.loop.versions import Versions
 log = structlog.get_logger(__name__)
 
 STOPPED = object()  # what `until_stopped` returns when a stop request came first
+WRITTEN_POLL_S = 0.02  # how often a checkpoint written behind the steps looks for the trainer's marker
 
 
 class Training:
@@ -75,6 +81,7 @@ class Training:
         self.start_version = start_version
         self.checkpoint_step = checkpoint_step
         self._checkpoint_s = 0.0  # seconds of checkpoints since the last step's row
+        self._writing: asyncio.Task[None] | None = None  # the checkpoint being written behind the steps
         self.show_progress = show_progress
 
     async def train_loop(self) -> None:
@@ -87,6 +94,8 @@ class Training:
             await self._train_steps(bar)
         finally:
             bar.close()
+            if self._writing is not None and not self._writing.done():  # the run failed or was cancelled
+                self._writing.cancel()  # its temporary directory is removed; the checkpoint before stays
 
     async def _train_steps(self, bar: Any) -> None:
         cfg, pc = self.cfg, self.cfg.pipeline
@@ -94,6 +103,7 @@ class Training:
         bar.update(self.start_step)
         rows = self.reporting.rows
         for step in range(self.start_step + 1, pc.steps + 1):
+            self._check_writing()
             t_wait = time.monotonic()
             sel = await self.until_stopped(self.outcomes.select(version))
             if sel is STOPPED:
@@ -140,7 +150,7 @@ class Training:
                 bar.set_postfix(reward=f"{row['reward_mean']:.3f}", stale=row["staleness_max"], refresh=False)
             skips = self.trainer.consecutive_skips
             if skips >= cfg.trainer.max_consecutive_skips:
-                await self.checkpoint(step)
+                await self.checkpoint(step, final=True)
                 raise TrainerError(f"{skips} training steps in a row had a non-finite loss or gradient "
                                    f"(trainer.max_consecutive_skips = {cfg.trainer.max_consecutive_skips}); "
                                    f"stopped after checkpointing step {step}: lower trainer.lr or check the rewards")
@@ -156,7 +166,7 @@ class Training:
             self.evaluator.request(last)
             await self.until_stopped(self.evaluator.join())
         # the end of the run, or a stop request: the state to continue from
-        await self.checkpoint(last)
+        await self.checkpoint(last, final=True)
 
     def _checks_at(self, step: int) -> bool:
         """Whether `step` starts with a log-prob check: the run's first step, then every logprob_check_every."""
@@ -238,8 +248,13 @@ class Training:
         return stats, ref, {"time/trainer_call_s": call_s - save_s,
                             "time/publish_s": time.monotonic() - t0 - call_s + save_s, "time/save_s": save_s}
 
-    async def checkpoint(self, step: int) -> None:
-        """Write the checkpoint of `step`: trainer state and the ledger, with the log rows it covers."""
+    async def checkpoint(self, step: int, *, final: bool = False) -> None:
+        """Write the checkpoint of `step`: trainer state and the ledger, with the log rows it covers.
+
+        A trainer that can (`begin_save_state`, with pipeline.checkpoint_behind) copies its state and
+        writes it behind the next steps; the checkpoint is completed when its files are in place
+        (`_complete`), one at a time. `final`: the run's last one, complete when this returns."""
+        await self.checkpoint_written()  # the one before, first
         if step == 0 or step == self.checkpoint_step:
             return  # nothing trained yet, or this step is already checkpointed
         # one moment on the loop: the ledger and the RolloutLog agree on what has settled
@@ -250,9 +265,59 @@ class Training:
                  "wall_s": self.reporting.wall0 + time.monotonic() - self.reporting.t_start}
         await asyncio.to_thread(self.rollout_log.flush)  # rows [0, log_rows) are durable before the checkpoint
         t = time.monotonic()
-        await self._trainer_call("checkpoint", self.checkpoints.write, step, state, self.trainer.save_state)
+        behind = getattr(self.trainer, "begin_save_state", None) if self.cfg.pipeline.checkpoint_behind else None
+        if behind is None:
+            await self._trainer_call("checkpoint", self.checkpoints.write, step, state, self.trainer.save_state)
+        else:
+            tmp = await asyncio.to_thread(self.checkpoints.begin, step)
+            if tmp is not None:
+                try:
+                    await self._trainer_call("checkpoint", behind, tmp / "trainer")
+                except BaseException:
+                    self.checkpoints.abandon(tmp)
+                    raise
+                self._writing = asyncio.create_task(self._complete(step, tmp, state), name=f"checkpoint-{step}")
+                # raised between steps or by checkpoint_written; never an "exception never retrieved"
+                self._writing.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._checkpoint_s += time.monotonic() - t  # reported in the next step's row
         self.checkpoint_step = step
+        if final:
+            await self.checkpoint_written()
+
+    async def checkpoint_written(self) -> None:
+        """Until the checkpoint being written behind the steps (if any) is in place; raises its error."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            await writing
+
+    def _check_writing(self) -> None:
+        """Raise the error of a checkpoint written behind the steps that failed (between two steps)."""
+        if self._writing is not None and self._writing.done() and self._writing.exception() is not None:
+            raise self._writing.exception()
+
+    async def _complete(self, step: int, tmp: Path, state: dict[str, Any]) -> None:
+        """Checkpoint `step` once the trainer has written its state into `tmp`/trainer (its
+        STATE_WRITTEN marker, within trainer.step_timeout_s): the ledger, the hashes, the rename."""
+        t0 = time.monotonic()
+        marker = tmp / "trainer" / STATE_WRITTEN
+        timeout = self.cfg.trainer.step_timeout_s
+        try:
+            while not marker.exists():
+                if time.monotonic() - t0 > timeout:
+                    raise TrainerError(f"the trainer did not write its state for the checkpoint of step {step} "
+                                       f"within trainer.step_timeout_s = {timeout} s")
+                await asyncio.sleep(WRITTEN_POLL_S)
+            written = json.loads(marker.read_text(encoding="utf-8"))
+            marker.unlink()
+            if written["error"]:
+                raise TrainerError(f"the trainer could not write its state for the checkpoint of step {step} "
+                                   f"into {tmp / 'trainer'}: {written['error']}")
+            known = {f"trainer/{k}": v for k, v in written["sha256"].items()}
+            await asyncio.to_thread(self.checkpoints.finish, step, tmp, state, known)
+        except BaseException:
+            self.checkpoints.abandon(tmp)  # the one before stays the newest, as after a kill
+            raise
+        log.debug("checkpoint_behind", step=step, seconds=round(time.monotonic() - t0, 3))
 
     async def _logprob_check(self, batch: Batch) -> dict[str, float]:
         """Recompute the trainer's log-probs of a few groups (under their own versions) against the

@@ -25,7 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import structlog
 
@@ -39,6 +39,9 @@ MANIFEST = "manifest.json"
 LEDGER = "ledger.json"
 FORMAT_VERSION = 1
 TMP_PREFIX = ".tmp-"
+# put into trainer/ by a trainer writing its state behind the steps once the files are in place
+# (pipeline.trainer.state.StateWriter); removed before the checkpoint is completed
+STATE_WRITTEN = ".state-written"
 _NAME_RE = re.compile(r"^step-(\d{6,})$")
 
 
@@ -79,23 +82,54 @@ class CheckpointStore:
                 out.append(int(m.group(1)))
         return sorted(out)
 
-    def write(self, step: int, state: dict[str, Any], save_trainer: Callable[[Path], None]) -> Path:
-        """Write checkpoint `step` atomically (blocking: run it in a thread); prune old ones."""
-        final = self.root / f"step-{step:06d}"
-        if final.exists():
-            # Step `step` is already checkpointed (a resumed run stopped before its first step).
-            # That checkpoint stays valid: whatever settled since is after its log_rows and is cut.
-            return final
+    def write(self, step: int, state: dict[str, Any], save_trainer: Callable[[Path], Mapping[str, str] | None]) -> Path:
+        """Write checkpoint `step` atomically (blocking: run it in a thread); prune old ones.
+
+        `save_trainer(dir)` writes the trainer's state into `dir` and may return the sha256 of files
+        it wrote and fsynced there, by name: those are not read again."""
+        tmp = self.begin(step)
+        if tmp is None:
+            return self.path_of(step)
+        try:
+            known = save_trainer(tmp / "trainer")
+        except BaseException:
+            self.abandon(tmp)
+            raise
+        return self.finish(step, tmp, state, {f"trainer/{k}": v for k, v in (known or {}).items()})
+
+    def path_of(self, step: int) -> Path:
+        return self.root / f"step-{step:06d}"
+
+    def begin(self, step: int) -> Path | None:
+        """A new temporary directory for checkpoint `step`, with its empty `trainer/` for the trainer's
+        state; None when step `step` is already checkpointed (a resumed run stopped before its first
+        step: that checkpoint stays valid, whatever settled since is after its log_rows and is cut)."""
+        if self.path_of(step).exists():
+            return None
         tmp = self.root / f"{TMP_PREFIX}step-{step:06d}-{uuid.uuid4().hex[:8]}"
-        t0 = time.monotonic()
         try:
             (tmp / "trainer").mkdir(parents=True)
-            save_trainer(tmp / "trainer")
+        except OSError as e:
+            raise StoreError(f"writing checkpoint of step {step} under {self.root} failed: {e}") from e
+        return tmp
+
+    def finish(self, step: int, tmp: Path, state: dict[str, Any], known: Mapping[str, str] | None = None) -> Path:
+        """Complete checkpoint `step` from `tmp` (from `begin`, the trainer's state in its `trainer/`):
+        the ledger, every file's hash (`known`: those already hashed and fsynced, by path in the
+        checkpoint), the manifest, the rename into place, then old ones pruned (blocking)."""
+        final = self.path_of(step)
+        known = dict(known or {})
+        t0 = time.monotonic()
+        try:
             crash_point("checkpoint.mid_write")
             (tmp / LEDGER).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **state}), encoding="utf-8")
-            files = {str(p.relative_to(tmp)): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-            for name in files:
-                fsync_file(tmp / name)
+            files = {}
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file():
+                    name = str(p.relative_to(tmp))
+                    files[name] = known.get(name) or sha256_file(p)
+                    if name not in known:
+                        fsync_file(p)
             write_synced(tmp / MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "created": time.time(),
                                                      "files": files}).encode())
             fsync_dir(tmp / "trainer")
@@ -104,7 +138,7 @@ class CheckpointStore:
             os.rename(tmp, final)
             fsync_dir(self.root)
         except BaseException as e:
-            shutil.rmtree(tmp, ignore_errors=True)
+            self.abandon(tmp)
             if isinstance(e, OSError):
                 raise StoreError(f"writing checkpoint of step {step} under {self.root} failed: {e}") from e
             raise
@@ -112,6 +146,11 @@ class CheckpointStore:
         self.prune()
         log.info("checkpoint_written", step=step, path=str(final), seconds=round(time.monotonic() - t0, 3))
         return final
+
+    @staticmethod
+    def abandon(tmp: Path) -> None:
+        """Remove a checkpoint's temporary directory that will not be completed."""
+        shutil.rmtree(tmp, ignore_errors=True)
 
     def prune(self) -> None:
         """Delete all but the newest `keep` checkpoints (each renamed away before removal)."""

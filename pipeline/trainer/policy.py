@@ -65,11 +65,11 @@ from pipeline.models.builtin import load_causal_lm, pack_sequences, token_logpro
 from pipeline.trainer.collectives import Collectives, Local
 from pipeline.trainer.fsdp import apply_fsdp, device_mesh, like_parameter, local, value
 from pipeline.trainer.loss import effective_sample_size, policy_loss
-from pipeline.trainer.rows import (Rows, behaviour_logprobs, micro_batches, minibatches, padded_rows, rank_passes,
-                                   rows_of)
+from pipeline.trainer.rows import (Rows, behaviour_logprobs, micro_batches, minibatches, padded_rows, pooled,
+                                   rank_passes, rows_of)
 from pipeline.trainer.snapshots import Snapshots
-from pipeline.trainer.state import (Counters, SavedState, check_ranks_file, rank_dir, read_state, refuse_ranks_state,
-                                    write_ranks_file, write_state)
+from pipeline.trainer.state import (Counters, SavedState, StateWriter, check_ranks_file, mark_written, rank_dir,
+                                    read_state, refuse_ranks_state, write_ranks_file, write_state)
 from pipeline.trainer.update import strategy_of, trainable_parameters
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
@@ -104,6 +104,7 @@ class PolicyTrainer:
         self.reference: torch.nn.Module | None = None  # a separate KL reference (full mode, loss.kl_coef > 0)
         self.optimizer: torch.optim.Optimizer | None = None
         self.pad_id = 0
+        self.writer = StateWriter()  # a checkpoint's state written behind the steps (begin_save_state)
 
     def setup(self) -> None:
         """Load the base model and build the policy on it, as the update strategy says (blocking)."""
@@ -233,7 +234,7 @@ class PolicyTrainer:
             if skipped:
                 break
         self.optimizer.zero_grad(set_to_none=True)
-        acc, weights = _pooled(self.collectives.gather((acc, weights)))
+        acc, weights = pooled(self.collectives.gather((acc, weights)))
         if skipped:
             self.skipped_steps += 1
             self.consecutive_skips += 1
@@ -387,25 +388,43 @@ class PolicyTrainer:
 
     # ------------------------------------------------------------------ state (checkpoint and resume)
 
-    def save_state(self, directory: Path) -> None:
+    def save_state(self, directory: Path) -> dict[str, str]:
         """Write everything the next step depends on into the existing `directory` (blocking, fsynced):
         the files pipeline.trainer.state describes (trainer ranks: each rank its directory, then
-        rank 0 ranks.json once every rank has written)."""
-        assert self.model is not None and self.optimizer is not None, "call setup() first"
+        rank 0 ranks.json once every rank has written). Returns the sha256 of each file written
+        into `directory` itself (none for trainer ranks)."""
+        self.writer.join()  # a state written behind the steps is complete first
         c = self.collectives
         here = self._state_dir(Path(directory))
         if c.sharded:
             here.mkdir(exist_ok=True)
+        extra = {"rank": c.rank, "world_size": c.world_size} if c.sharded else {}
+        digests = write_state(here, self.cfg, *self._state(), extra=extra)
+        log.debug("trainer_state_saved", path=str(here), version=self.version, update=self.cfg.update)
+        if not c.sharded:
+            return digests
+        c.barrier()
+        if c.rank == 0:
+            write_ranks_file(Path(directory), c.devices)
+        return {}
+
+    def begin_save_state(self, directory: Path) -> None:
+        """`save_state` behind the steps: the state is copied to host memory now and a thread writes it
+        while later calls run, then puts STATE_WRITTEN (pipeline.trainer.state.StateWriter). Trainer
+        ranks write at once (each rank's write ends at a barrier), then rank 0 puts the marker."""
+        if not self.collectives.sharded:
+            return self.writer.begin(Path(directory), self.cfg, *self._state())
+        self.save_state(directory)
+        if self.collectives.rank == 0:
+            mark_written(Path(directory), {"error": None, "sha256": {}})
+
+    def _state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]], Counters]:
+        """This rank's trainable weights by name, their AdamW moments and the counters."""
+        assert self.model is not None and self.optimizer is not None, "call setup() first"
         trainable = self._trainable()
         moments = {n: {k: local(v) for k, v in self.optimizer.state.get(p, {}).items()} for n, p in trainable}
-        extra = {"rank": c.rank, "world_size": c.world_size} if c.sharded else {}
-        write_state(here, self.cfg, [(n, local(p)) for n, p in trainable], moments,
-                    Counters(self.version, self.skipped_steps, self.consecutive_skips), extra=extra)
-        log.debug("trainer_state_saved", path=str(here), version=self.version, update=self.cfg.update)
-        if c.sharded:
-            c.barrier()
-            if c.rank == 0:
-                write_ranks_file(Path(directory), c.devices)
+        counters = Counters(self.version, self.skipped_steps, self.consecutive_skips)
+        return [(n, local(p)) for n, p in trainable], moments, counters
 
     def load_state(self, directory: Path) -> None:
         """Restore a state written by `save_state` (after `setup()`; blocking).
@@ -473,14 +492,3 @@ class PolicyTrainer:
     def close(self) -> None:
         """Nothing to release beyond memory (the process-based trainer stops its child here)."""
 
-
-def _pooled(every: list[tuple[dict[str, float], list[float]]]) -> tuple[dict[str, float], list[float]]:
-    """The step's statistics and importance-weight sums over every rank's rows, from each rank's
-    (`every`, rank order): sums, but ratio_max a maximum. One rank's are returned as they are."""
-    (acc, weights), rest = every[0], every[1:]
-    acc, weights = dict(acc), list(weights)
-    for rank_acc, rank_weights in rest:
-        for k, v in rank_acc.items():
-            acc[k] = max(acc.get(k, v), v) if k == "ratio_max" else acc.get(k, 0.0) + v
-        weights = [w + rw for w, rw in zip(weights, rank_weights)]
-    return acc, weights

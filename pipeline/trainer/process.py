@@ -366,8 +366,12 @@ class ProcessTrainer:
     def save_adapter(self, directory: Path) -> None:
         self._call("save_adapter", Path(directory))
 
-    def save_state(self, directory: Path) -> None:
-        self._call("save_state", Path(directory))
+    def save_state(self, directory: Path) -> dict[str, str]:
+        return self._call("save_state", Path(directory))
+
+    def begin_save_state(self, directory: Path) -> None:
+        """The child copies its state and writes it behind its later calls (`PolicyTrainer.begin_save_state`)."""
+        self._call("begin_save_state", Path(directory))
 
     def load_state(self, directory: Path) -> None:
         _, self.version, self.skipped_steps, self.consecutive_skips = self._call("load_state", Path(directory))

@@ -102,3 +102,15 @@ def behaviour_logprobs(rows: Rows, idx: Sequence[int], like: torch.Tensor) -> to
         start = len(rows.prompts[r])
         beh[i, start:start + len(rows.behaviour[r])] = torch.as_tensor(rows.behaviour[r], device=like.device)
     return beh
+
+
+def pooled(every: list[tuple[dict[str, float], list[float]]]) -> tuple[dict[str, float], list[float]]:
+    """The step's statistics and importance-weight sums over every rank's rows, from each rank's
+    (`every`, rank order): sums, but ratio_max a maximum. One rank's are returned as they are."""
+    (acc, weights), rest = every[0], every[1:]
+    acc, weights = dict(acc), list(weights)
+    for rank_acc, rank_weights in rest:
+        for k, v in rank_acc.items():
+            acc[k] = max(acc.get(k, v), v) if k == "ratio_max" else acc.get(k, 0.0) + v
+        weights = [w + rw for w, rw in zip(weights, rank_weights)]
+    return acc, weights

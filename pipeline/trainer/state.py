@@ -21,22 +21,28 @@ Invariants:
   written in LoRA mode) or of the other trainer kind, other parameter names, shapes or dtypes,
   an incomplete AdamW state or another lora_rank raise TrainerError naming the file or parameter.
 - Every file is fsynced, then the directory; while writing, one file's tensors are in memory
-  at a time (a full model's state is large).
+  at a time (a full model's state is large), except for a state written behind the steps
+  (`StateWriter`): a copy of the whole state taken at `begin`, so the files hold that moment's
+  state whatever steps follow, and `STATE_WRITTEN` appears only once every file is in place.
 - A sharded state loads only onto the same world size; a one-process trainer refuses it, and
   trainer ranks refuse a state that is not theirs (no ranks.json).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from pipeline.config.schema import TrainerConfig
+from pipeline.store.checkpoint import STATE_WRITTEN
 from pipeline.store.durable import fsync_dir, write_synced
 from pipeline.errors import TrainerError
 
@@ -76,17 +82,24 @@ class SavedState:
 
 
 def write_state(directory: Path, cfg: TrainerConfig, trainable: list[tuple[str, torch.Tensor]],
-                moments: dict[str, dict[str, Any]], counters: Counters, extra: dict[str, Any] | None = None) -> None:
+                moments: dict[str, dict[str, Any]], counters: Counters, extra: dict[str, Any] | None = None) -> dict[str, str]:
     """Write the state of a trainer into the existing `directory` (blocking, fsynced): its trainable
     weights by name, each one's AdamW state (`moments`, empty before its first step), its counters,
-    and `extra` fields for trainer.json (a sharded trainer's rank and world size)."""
+    and `extra` fields for trainer.json (a sharded trainer's rank and world size). Returns the
+    sha256 of every file written, by name."""
+    shapes = {n: list(p.shape) for n, p in trainable}
+    return _write_files(directory, cfg, _state_tensors(trainable, moments, cfg.device), shapes, counters, extra)
+
+
+def _write_files(directory: Path, cfg: TrainerConfig, files: Iterable[dict[str, torch.Tensor]],
+                 shapes: dict[str, list[int]], counters: Counters, extra: dict[str, Any] | None) -> dict[str, str]:
     directory = Path(directory)
     if not directory.is_dir():
         raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
     from safetensors.torch import save
 
     digests = {}
-    for name, tensors in zip(state_files(cfg.update), _state_tensors(trainable, moments, cfg.device)):
+    for name, tensors in zip(state_files(cfg.update), files):
         data = save(tensors)
         write_synced(directory / name, data)
         digests[name] = hashlib.sha256(data).hexdigest()
@@ -95,23 +108,70 @@ def write_state(directory: Path, cfg: TrainerConfig, trainable: list[tuple[str, 
         "format": STATE_FORMAT, "update": cfg.update, "version": counters.version,
         "skipped_steps": counters.skipped_steps, "consecutive_skips": counters.consecutive_skips, "lr": cfg.lr,
         "lora_rank": None if cfg.update == "full" else cfg.lora_rank, "dtype": cfg.dtype,
-        "device": cfg.device, "parameters": {n: list(p.shape) for n, p in trainable}, "sha256": digests,
+        "device": cfg.device, "parameters": shapes, "sha256": digests,
         **(extra or {}),
     }
-    write_synced(directory / "trainer.json", json.dumps(meta, indent=1).encode())
+    data = json.dumps(meta, indent=1).encode()
+    write_synced(directory / "trainer.json", data)
     fsync_dir(directory)
+    return {**digests, "trainer.json": hashlib.sha256(data).hexdigest()}
 
 
 def _state_tensors(trainable: list[tuple[str, torch.Tensor]], moments: dict[str, dict[str, Any]],
-                   device: str) -> Iterator[dict[str, torch.Tensor]]:
-    """The weights, optimizer and RNG files' tensors, one file at a time."""
-    yield {n: p.detach().to("cpu").contiguous() for n, p in trainable}
-    yield {f"{n}.{k}": torch.as_tensor(v).detach().cpu().contiguous()
+                   device: str, copy: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """The weights, optimizer and RNG files' tensors, one file at a time (`copy`: never the trainer's own
+    tensors, even on the CPU, so later steps cannot change them)."""
+    yield {n: p.detach().to("cpu", copy=copy).contiguous() for n, p in trainable}
+    yield {f"{n}.{k}": torch.as_tensor(v).detach().to("cpu", copy=copy).contiguous()
            for n, _ in trainable for k, v in moments.get(n, {}).items()}
-    rng = {"cpu": torch.get_rng_state()}
+    rng = {"cpu": torch.get_rng_state()}  # get_rng_state returns a new tensor
     if device.startswith("cuda"):
         rng["cuda"] = torch.cuda.get_rng_state(device)
     yield rng
+
+
+class StateWriter:
+    """A trainer's state written behind its steps (`begin`): the tensors are copied to host memory at
+    once (the next step changes the originals), then written into the directory by a thread, one
+    state at a time. When the files are in place, or the write failed, `STATE_WRITTEN` appears in the
+    directory (renamed into place whole): JSON {"error": null or the error's text, "sha256": the
+    digest of every file written, by name}. `join` waits for the write under way, if any."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+
+    def begin(self, directory: Path, cfg: TrainerConfig, trainable: list[tuple[str, torch.Tensor]],
+              moments: dict[str, dict[str, Any]], counters: Counters) -> None:
+        self.join()
+        files = list(_state_tensors(trainable, moments, cfg.device, copy=True))
+        shapes = {n: list(p.shape) for n, p in trainable}
+        self._thread = threading.Thread(target=self._write, args=(Path(directory), cfg, files, shapes, counters),
+                                        name="trainer-state-writer", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @staticmethod
+    def _write(directory: Path, cfg: TrainerConfig, files: list[dict[str, torch.Tensor]],
+               shapes: dict[str, list[int]], counters: Counters) -> None:
+        try:
+            done = {"error": None, "sha256": _write_files(directory, cfg, files, shapes, counters, None)}
+        except Exception as e:  # the checkpoint reads it from the marker and fails naming it
+            done = {"error": f"{type(e).__name__}: {e}", "sha256": {}}
+        del files
+        mark_written(directory, done)
+
+
+def mark_written(directory: Path, done: dict[str, Any]) -> None:
+    """Put `STATE_WRITTEN` into `directory` whole (written aside, then renamed); a directory removed
+    meanwhile (the checkpoint abandoned) is left alone."""
+    tmp = Path(directory) / f"{STATE_WRITTEN}.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        write_synced(tmp, json.dumps(done).encode())
+        os.rename(tmp, Path(directory) / STATE_WRITTEN)
 
 
 def read_state(directory: Path, cfg: TrainerConfig, trainable: dict[str, torch.nn.Parameter]) -> SavedState:

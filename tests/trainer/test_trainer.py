@@ -419,7 +419,7 @@ def test_a_lora_version_is_written_as_peft_writes_it_without_the_model_card(mode
 def test_the_ranks_statistics_pool_to_those_of_all_their_rows() -> None:
     """Each rank sums its rows' statistics and importance weights; pooled, they are the sums over every
     row (ratio_max the largest), whatever the split, and one rank's come back as they are."""
-    from pipeline.trainer.policy import _pooled
+    from pipeline.trainer.rows import pooled
 
     rng = np.random.default_rng(0)
     rows = [{"loss_sum": float(rng.normal()), "tokens": float(rng.integers(1, 9)), "ratio_max": float(rng.uniform(1, 3))}
@@ -434,7 +434,7 @@ def test_the_ranks_statistics_pool_to_those_of_all_their_rows() -> None:
     whole = rank(0, 7)
     for cuts in ([3], [1, 5], [2, 4, 6]):
         bounds = [0, *cuts, 7]
-        acc, w = _pooled([rank(a, b) for a, b in zip(bounds, bounds[1:])])
+        acc, w = pooled([rank(a, b) for a, b in zip(bounds, bounds[1:])])
         assert acc.keys() == whole[0].keys() and all(acc[k] == pytest.approx(whole[0][k]) for k in acc)
         assert w == pytest.approx(whole[1])
-    assert _pooled([whole]) == whole
+    assert pooled([whole]) == whole
