@@ -43,7 +43,7 @@ import torch
 
 from pipeline.config.schema import TrainerConfig
 from pipeline.store.checkpoint import STATE_WRITTEN
-from pipeline.store.durable import fsync_dir, write_synced
+from pipeline.store.durable import fsync_dir, sha256_file, write_synced
 from pipeline.errors import TrainerError
 
 # Bump when what save_state writes changes; load_state refuses any other format. (The update
@@ -92,18 +92,26 @@ def write_state(directory: Path, cfg: TrainerConfig, trainable: list[tuple[str, 
 
 
 def _write_files(directory: Path, cfg: TrainerConfig, files: Iterable[dict[str, torch.Tensor]],
-                 shapes: dict[str, list[int]], counters: Counters, extra: dict[str, Any] | None) -> dict[str, str]:
+                 shapes: dict[str, list[int]], counters: Counters, extra: dict[str, Any] | None,
+                 behind: bool = False) -> dict[str, str]:
+    """`behind`: written beside the steps, by a path that leaves them the GIL (safetensors' save into
+    memory holds it; its save_file and reading the file back to hash it do not)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise TrainerError(f"trainer state directory {str(directory)!r} does not exist")
-    from safetensors.torch import save
+    from safetensors.torch import save, save_file
 
     digests = {}
     for name, tensors in zip(state_files(cfg.update), files):
-        data = save(tensors)
-        write_synced(directory / name, data)
-        digests[name] = hashlib.sha256(data).hexdigest()
-        del tensors, data  # before the next file's tensors are gathered: a full model's state is large
+        if behind:
+            save_file(tensors, str(directory / name))
+            digests[name] = sha256_file(directory / name, sync=True)
+        else:
+            data = save(tensors)
+            write_synced(directory / name, data)
+            digests[name] = hashlib.sha256(data).hexdigest()
+            del data
+        del tensors  # before the next file's tensors are gathered: a full model's state is large
     meta = {
         "format": STATE_FORMAT, "update": cfg.update, "version": counters.version,
         "skipped_steps": counters.skipped_steps, "consecutive_skips": counters.consecutive_skips, "lr": cfg.lr,
@@ -158,7 +166,7 @@ class StateWriter:
     def _write(directory: Path, cfg: TrainerConfig, files: list[dict[str, torch.Tensor]],
                shapes: dict[str, list[int]], counters: Counters) -> None:
         try:
-            done = {"error": None, "sha256": _write_files(directory, cfg, files, shapes, counters, None)}
+            done = {"error": None, "sha256": _write_files(directory, cfg, files, shapes, counters, None, behind=True)}
         except Exception as e:  # the checkpoint reads it from the marker and fails naming it
             done = {"error": f"{type(e).__name__}: {e}", "sha256": {}}
         del files
