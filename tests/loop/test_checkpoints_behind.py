@@ -3,6 +3,7 @@ steps run; the checkpoint is completed (ledger, hashes, rename) once its files a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_accounted, sim_config
+from conftest import assert_accounted, check_finished_run, sim_config
 
 from pipeline.errors import TrainerError
 from pipeline.models import builtin as models
@@ -52,8 +53,9 @@ class SlowWriter(SimulatedTrainer):
             if version in self.fail:
                 mark_written(directory, {"error": "OSError: [Errno 28] No space left on device", "sha256": {}})
                 return
-            write_simulated_state(directory, self.update, version, self.step_s)
-            mark_written(directory, {"error": None, "sha256": {}})
+            with contextlib.suppress(FileNotFoundError, TrainerError):  # the run ended, the directory went
+                write_simulated_state(directory, self.update, version, self.step_s)
+                mark_written(directory, {"error": None, "sha256": {}})
 
         threading.Thread(target=write, daemon=True).start()
 
@@ -75,6 +77,7 @@ def test_the_steps_after_a_checkpoint_do_not_wait_for_its_files(tmp_path: Path, 
     else:  # the control: the loop waits for the whole write
         assert min(waited) >= WRITE_S, waited
     # every checkpoint is complete and verifies, the last one before the run returned
+    assert not list((p.run_dir / "checkpoints").glob(f"{TMP_PREFIX}*"))
     store = CheckpointStore(p.run_dir / "checkpoints")
     assert store.steps() == [2, 4, 6]
     for step in (2, 4, 6):
@@ -82,16 +85,14 @@ def test_the_steps_after_a_checkpoint_do_not_wait_for_its_files(tmp_path: Path, 
         assert cp.state["version"] == step
         assert json.loads((cp.trainer_dir / "trainer.json").read_text())["version"] == step
         assert not (cp.trainer_dir / STATE_WRITTEN).exists()
-    assert not list((p.run_dir / "checkpoints").glob(f"{TMP_PREFIX}*"))
     assert_accounted(p, p.summary)
 
 
 def test_a_state_that_fails_behind_the_steps_stops_the_run_naming_it(tmp_path: Path) -> None:
     with pytest.raises(TrainerError, match=r"checkpoint of step 4 .*No space left on device"):
         _run(tmp_path, SlowWriter(fail={4}))
-    store = CheckpointStore(tmp_path / "run" / "checkpoints")
-    assert store.latest().step == 2  # the one before stays, as after a kill
-    assert not list((tmp_path / "run" / "checkpoints").glob(f"{TMP_PREFIX}*"))
+    assert not list((tmp_path / "run" / "checkpoints").glob(f"{TMP_PREFIX}*"))  # before a store's open removes them
+    assert CheckpointStore(tmp_path / "run" / "checkpoints").latest().step == 2  # the one before stays, as after a kill
 
 
 # --------------------------------------------------------------------------- the trainer's side
@@ -159,3 +160,32 @@ def test_a_write_that_fails_behind_puts_its_error_in_the_marker(model_dir: Path,
     t.writer.join()
     written = json.loads((tmp_path / STATE_WRITTEN).read_text())
     assert "No space left on device" in written["error"] and written["sha256"] == {}
+
+
+class FailsAtStep(SlowWriter):
+    """SlowWriter whose step `at` raises, while the checkpoint before it is still being written."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def step(self, batch):
+        if batch.step == self.at:
+            raise TrainerError(f"step {batch.step} failed on purpose")
+        return super().step(batch)
+
+
+def test_a_run_that_fails_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_path: Path) -> None:
+    B, STEPS = 2, 6
+    prompts = [{"id": f"p{i}", "prompt": f"prompt {i}", "token_ids": [1 + i, 2, 3]} for i in range(B * STEPS)]
+    cfg = sim_config(tmp_path, B=B, steps=STEPS, **{"pipeline.checkpoint_every": 2})
+    first = Pipeline(cfg, prompts=prompts, reward=reward, tokenizer=False, console=False, trainer=FailsAtStep(5))
+    with pytest.raises(TrainerError, match="step 5 failed on purpose"):
+        first.run_sync()  # the checkpoint of step 4 is still being written (WRITE_S) when step 5 fails
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not list(checkpoints.glob(f"{TMP_PREFIX}*"))  # the unfinished one is gone (before a store's open would)
+    assert CheckpointStore(checkpoints).latest().step == 2
+    resumed = Pipeline(sim_config(tmp_path, B=B, steps=STEPS, **{"pipeline.checkpoint_every": 2}), prompts=prompts,
+                       reward=reward, tokenizer=False, console=False, trainer=SlowWriter(), resume=True)
+    resumed.run_sync()
+    check_finished_run(tmp_path / "run", B, STEPS, 1)
