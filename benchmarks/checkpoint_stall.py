@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import common  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402  (the benchmarks' shared helpers sit next to this script)
 
 
 def batch(step: int, groups: int, n: int, prompt_len: int, completion_len: int, vocab: int):
@@ -60,7 +60,7 @@ def wait_marker(directory: Path, timeout: float = 600.0) -> float:
     return time.monotonic()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="small", help="a built-in model shape (tiny, small, qwen2.5-0.5b)")
     ap.add_argument("--update", choices=["full", "lora"], default="full")
@@ -118,15 +118,17 @@ def main(argv: list[str] | None = None) -> None:
 
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     hw = common.hardware(gpus=args.device.startswith("cuda"))
+    printed = common.table(["shape", "update", "device", "state MB", "waited s", "copied s", "behind s",
+                            "step alone s", "step beside s"],
+                           [[args.shape, args.update, args.device, med["state_bytes"] / 1e6, med["waited_s"],
+                             med["copied_s"], med["behind_s"], med["step_alone_s"], med["step_beside_write_s"]]])
+    print(printed)
     result = {**common.header("checkpoint_stall", argv),
               "hardware": hw, "settings": {k: str(v) for k, v in vars(args).items()},
-              "rounds": rounds, "median": med, "stall_ratio": med["copied_s"] / med["waited_s"]}
-    print(common.table(["shape", "update", "device", "state MB", "waited s", "copied s", "behind s",
-                        "step alone s", "step beside s"],
-                       [[args.shape, args.update, args.device, med["state_bytes"] / 1e6, med["waited_s"],
-                         med["copied_s"], med["behind_s"], med["step_alone_s"], med["step_beside_write_s"]]]))
+              "rounds": rounds, "median": med, "stall_ratio": med["copied_s"] / med["waited_s"], "printed": printed}
     path = args.out / f"checkpoint_stall_{args.shape}_{args.update}_{common.hardware_tag(hw)}{args.tag}.json"
     print(f"wrote {common.write_json(path, result)}")
+    return path
 
 
 if __name__ == "__main__":

@@ -427,6 +427,18 @@ def test_overhead_reports_rates_costs_and_a_profile(tmp_path: Path) -> None:
     assert shares == sorted(shares, reverse=True) and 0 < sum(shares) <= 1.0 + 1e-9
 
 
+def test_checkpoint_stall_times_both_ways_and_the_write_behind_completes(tmp_path: Path) -> None:
+    data = read_json(str(load("checkpoint_stall").main(["--shape", "tiny", "--repeats", "2", "--tokens", "8",
+                                                         "--out", str(tmp_path), "--scratch", str(tmp_path)])))
+    assert len(data["rounds"]) == 2
+    for r in data["rounds"]:
+        assert r["state_bytes"] > 0 and r["waited_s"] > 0 and r["step_alone_s"] > 0
+        assert 0 < r["copied_s"] < r["behind_s"]  # the loop waits for the copy; the files come later
+    for k in ("waited_s", "copied_s", "behind_s"):
+        assert data["median"][k] == pytest.approx(sum(r[k] for r in data["rounds"]) / 2)  # the median of two
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []  # the model and states went with the scratch
+
+
 def test_vs_trl_our_side_alone(tmp_path: Path, model_cache: Path) -> None:
     vt = load("vs_trl")
     rec = vt.main(["--quick", "--skip-trl", "--out", str(tmp_path), "--model-cache", str(model_cache)])
