@@ -292,8 +292,9 @@ class Training:
 
     def _check_writing(self) -> None:
         """Raise the error of a checkpoint written behind the steps that failed (between two steps)."""
-        if self._writing is not None and self._writing.done() and self._writing.exception() is not None:
-            raise self._writing.exception()
+        w = self._writing
+        if w is not None and w.done() and not w.cancelled() and w.exception() is not None:
+            raise w.exception()
 
     async def _complete(self, step: int, tmp: Path, state: dict[str, Any]) -> None:
         """Checkpoint `step` once the trainer has written its state into `tmp`/trainer (its
