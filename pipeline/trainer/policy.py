@@ -412,11 +412,12 @@ class PolicyTrainer:
         """`save_state` behind the steps: the state is copied to host memory now and a thread writes it
         while later calls run, then puts STATE_WRITTEN (pipeline.trainer.state.StateWriter). Trainer
         ranks write at once (each rank's write ends at a barrier), then rank 0 puts the marker."""
-        if not self.collectives.sharded:
-            return self.writer.begin(Path(directory), self.cfg, *self._state())
-        self.save_state(directory)
-        if self.collectives.rank == 0:
-            mark_written(Path(directory), {"error": None, "sha256": {}})
+        if self.collectives.sharded:
+            self.save_state(directory)
+            if self.collectives.rank == 0:
+                mark_written(Path(directory), {"error": None, "sha256": {}})
+        else:
+            self.writer.begin(Path(directory), self.cfg, *self._state())
 
     def _state(self) -> tuple[list[tuple[str, torch.Tensor]], dict[str, dict[str, torch.Tensor]], Counters]:
         """This rank's trainable weights by name, their AdamW moments and the counters."""
