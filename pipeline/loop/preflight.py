@@ -66,6 +66,10 @@ def check_data_path(key: str, value: str) -> None:
     elif not value.lower().endswith(_DATA_SUFFIXES):
         raise ConfigError(f"{key} must be a {', '.join(_DATA_SUFFIXES)} file or a datasets.save_to_disk "
                           f"directory, got {_show(value)}")
+    # pipeline.data.files reads every format through datasets, a dependency a trimmed environment can lack
+    if importlib.util.find_spec("datasets") is None:
+        raise ConfigError(f"{key} = {_show(value)} is read with the datasets package, which is not installed; "
+                          "pip install 'datasets>=2.19'")
 
 
 def check_chat_template(path: str) -> None:

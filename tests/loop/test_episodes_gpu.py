@@ -41,7 +41,7 @@ def test_chat_episodes_on_vllm_keep_the_logprob_check(tmp_path: Path) -> None:
         "trainer.lr": 1e-4, "log.progress": "false", "pipeline.logprob_check_every": 2,
         "pipeline.logprob_check_groups": 4, "pipeline.max_staleness": 1, "pipeline.batch_groups": 4,
         "sampling.n": 4, "sampling.max_new_tokens": 32, "data.train": str(rows),
-        "env.factory": "tests/episode_envs.py:ChatTool", "env.max_turns": 3,
+        "env.factory": "tests/episode_envs.py:ChatTool", "env.max_turns": 3, "eval.every": 0,
     }
     args = ["--steps", str(STEPS), "--out", str(out)]
     for k, v in sets.items():
@@ -61,7 +61,7 @@ def test_chat_episodes_on_vllm_keep_the_logprob_check(tmp_path: Path) -> None:
               "tokens": int(log.mask.size), "sampled_tokens": sampled,
               "summary": {k: summary[k] for k in ("wall_s", "setup_s", "groups_trained", "groups_failed",
                                                    "busy_generator", "busy_trainer", "reward_final_window")}}
-    keep_result("episodes_vllm_small_1xH200.json", result)
+    keep_result("episodes_vllm_small.json", result)
     assert turns.max() >= 2 and 0 < sampled < log.mask.size, "episodes of several turns, replies masked"
     assert np.all(log.logprobs[~log.mask] == 0)
     assert checks and max(checks) < SINGLE_TURN_THRESHOLD, checks

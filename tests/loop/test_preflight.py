@@ -117,6 +117,16 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypa
         preflight(cfg)
 
 
+@pytest.mark.parametrize("key", ["data.train", "data.eval"])
+def test_a_data_file_without_the_datasets_package_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path, key: str) -> None:
+    cfg = load_config(None, {key: _file(tmp_path, "rows.jsonl"), "reward.functions": ["m:f"]})
+    _hide(monkeypatch, "datasets")
+    with pytest.raises(ConfigError, match=rf"^{key} = '.*rows\.jsonl' is read with the datasets package, which is not "
+                                          r"installed; pip install 'datasets>=2\.19'$"):
+        preflight(cfg)
+
+
 def test_what_this_machine_has_passes(tmp_path: Path) -> None:
     model = Path(_dir(tmp_path, "model"))
     (model / "config.json").write_text("{}")
