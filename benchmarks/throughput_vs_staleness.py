@@ -85,7 +85,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # As run.py does: idle OpenMP threads sleep instead of spinning, since engine and trainer share the
 # CPU cores (set before torch is imported; no effect when this module is imported later).
@@ -259,9 +259,10 @@ async def run_one(w: Workload, K: int, run_dir: Path) -> dict[str, Any]:
     return out
 
 
-async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
+async def sweep(w: Workload, scratch: Path, keep: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """The workload's standalone rates, then one run per K (each after the engine alone at its depth,
-    where the workload measures that), each compared with K=0 of the same sweep."""
+    where the workload measures that), each compared with K=0 of the same sweep. `keep` gets what is
+    measured so far after each K, for a sweep cut off before its end (a device call's time limit)."""
     a = w.args
     try:
         await w.prepare(scratch)
@@ -279,7 +280,12 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
             r = await run_one(w, K, scratch / f"K{K}")
             results.append(r)
             print(f"[{w.kind} {w.shape}] max_staleness={K}: {r['groups_per_s']:.2f} groups/s "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                  f"({time.perf_counter() - t0:.1f} s); publish to serving p50 {_ms(r, 'publish_to_loaded_ms_p50')} "
+                  f"p99 {_ms(r, 'publish_to_loaded_ms_p99')} ms (loop's wait {_ms(r, 'adapter_wait_ms_p50')}, "
+                  f"verify {_ms(r, 'adapter_verify_ms_p50')}, engines' load {_ms(r, 'adapter_load_ms_p50')} ms p50)",
+                  flush=True)
+            if keep is not None:
+                keep({"standalone": st, "results": results})
     finally:
         await w.close()
         free_memory()  # what the engine held here (GPU memory too) goes before another workload starts
@@ -288,6 +294,11 @@ async def sweep(w: Workload, scratch: Path) -> dict[str, Any]:
     if (checks := w.checks(st, results)) is not None:
         out["checks"] = checks
     return out
+
+
+def _ms(r: dict[str, Any], key: str) -> str:
+    """A run's figure in ms for a progress line ("-" where the run has none)."""
+    return "-" if r.get(key) is None else f"{r[key]:.0f}"
 
 
 # ====================================================================== files
@@ -423,10 +434,18 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
         root = Path(args.keep_runs) if args.keep_runs else Path(tmp)
         for w in workloads:
             load = common.MachineLoad()
-            res = await sweep(w, root / f"{w.kind}-{w.shape}")
+            hw = common.hardware()
+            partial = out_dir / f"{result_name(w, args, hw)}.partial.json"
+
+            def keep(so_far: dict[str, Any], w: Workload = w, hw: dict[str, Any] = hw, partial: Path = partial) -> None:
+                common.write_json(partial, {**common.header(BENCHMARK, argv), "hardware": hw, "partial": True,
+                                            "settings": run_settings(w, args), **so_far})
+
+            res = await sweep(w, root / f"{w.kind}-{w.shape}", keep)
             records.append(rec := sweep_record(w, res, load, args, argv, out_dir))
             # kept as soon as it is done: a later sweep that fails (a server that does not start) loses nothing
             common.write_json(Path(rec["files"]["json"]), rec)
+            partial.unlink(missing_ok=True)  # the whole record holds all it held
             print(f"wrote {rec['files']['json']} and .png", flush=True)
     if not args.compare_in_process:
         return records

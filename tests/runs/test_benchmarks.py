@@ -119,6 +119,31 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
     assert k0["staleness_max"] == 0 and k1["staleness_mean"] > 0
 
 
+def test_a_sweep_cut_off_after_its_first_k_keeps_that_k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a device call's time limit ends a sweep mid-way: what it measured before is on disk
+    tvs = load("throughput_vs_staleness")
+    real = tvs.run_one
+
+    async def cut_at_second(w, K, scratch):  # noqa: ANN001, ANN202
+        if K == 1:
+            raise KeyboardInterrupt("the call's time is up")
+        return await real(w, K, scratch)
+
+    monkeypatch.setattr(tvs, "run_one", cut_at_second)
+    with pytest.raises(KeyboardInterrupt):
+        tvs.main(["--quick", "--ratios", "1", "--staleness", "0,1", "--out", str(tmp_path)])
+    [partial] = tmp_path.glob("throughput_vs_staleness_sim_balanced_*.partial.json")
+    data = json.loads(partial.read_text())
+    assert data["hardware"]["versions"]["torch"] and data["partial"] and data["settings"]["staleness"] == [0, 1]
+    [k0] = data["results"]
+    assert k0["max_staleness"] == 0 and k0["accounting_ok"] and k0["groups_per_s"] > 0
+    assert data["standalone"]["t_gen_s"] > 0
+    # a sweep that ends keeps its whole record alone
+    monkeypatch.setattr(tvs, "run_one", real)
+    [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0", "--out", str(tmp_path)])
+    assert Path(rec["files"]["json"]).exists() and not partial.exists()
+
+
 def test_simulated_sweep_at_another_step_time_is_named_for_it(tmp_path: Path) -> None:
     tvs = load("throughput_vs_staleness")
     [rec] = tvs.main(["--quick", "--ratios", "1", "--staleness", "0", "--train-step-s", "0.03", "--out", str(tmp_path)])
