@@ -77,12 +77,13 @@ class GroupDecoder:
 
     def decode(self, requests: Sequence[GroupRequest], *, generator: torch.Generator,
                cancelled: Callable[[int], bool], finished: Callable[[int, tuple[Completion, ...]], None],
-               sampled: Callable[[int], None]) -> None:
+               sampled: Callable[[int], None], between: Callable[[], None] | None = None) -> None:
         """Sample every row of `requests` to its end (call under torch.inference_mode()).
 
         `cancelled(i)`: whether group i is no longer wanted; `finished(i, completions)`: group i's
         `n` completions, called as soon as its last row ends; `sampled(k)`: k more tokens sampled
         (rows of groups later cancelled included). `generator` serves groups without a seed.
+        `between()`: called between two forward passes (work that must not wait for the batch's end).
         """
         dev = self.device
         pad = 0  # padding is masked everywhere: any id in the vocabulary serves
@@ -154,5 +155,7 @@ class GroupDecoder:
                 mask, next_pos, tok_ids = mask[sel], next_pos[sel], tok_ids[sel]
                 active = [active[i] for i in keep]
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            if between is not None:
+                between()
             logits = self._forward(tok_ids.unsqueeze(1), mask, next_pos.unsqueeze(1), cache)
             next_pos = next_pos + 1

@@ -8,6 +8,12 @@ Which adapters stay loaded is decided by a `residency.Residency`.
 Invariants (beyond the Engine protocol's):
 - All torch work (model load, adapter load and delete, decoding) runs on one worker thread owned
   by the engine, one job at a time, in submission order; never on the event loop.
+- Adapter loads and deletes are side jobs, kept in their own queue in submission order: the
+  worker runs them as a job of their own, or, while it decodes a batch, between two of its
+  forward passes, so that a version does not wait for a whole batch on another version to end.
+  Between forward passes only what cannot touch the batch's weights runs: deletes (the residency
+  never deletes an adapter in use) and loads that fill a free slot; a load that would make peft
+  inject layers stops the side queue there until the batch ends, so the order holds.
 - Bookkeeping on the event loop (`loaded_versions`, which requests use which adapter) describes
   the state after every job submitted so far; because jobs run in submission order and the
   residency submits an eviction's delete at once, an adapter chosen for eviction is deleted
@@ -46,12 +52,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import structlog
 import torch
@@ -158,6 +165,10 @@ class TransformersEngine:
         background = self.cfg.sched_idle and self.device.type == "cpu"  # computing on cores the event loop needs
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-torch",
                                             initializer=sched_idle if background else None)
+
+        # adapter loads and deletes in submission order, run by the worker (`_run_side_jobs`)
+        self._side: deque[tuple[Future[None], Callable[..., None], tuple[Any, ...]]] = deque()
+        self._side_lock = threading.Lock()
 
         # Event-loop state.
         self._queue: deque[_Pending] = deque()
@@ -278,6 +289,10 @@ class TransformersEngine:
         await self._residency.close()  # its loads and deletes cancelled; the worker's adapters go with the model
         await asyncio.gather(*[t for t in [self._batch_task] if t is not None], return_exceptions=True)
         await asyncio.to_thread(self._executor.shutdown, wait=True, cancel_futures=True)
+        with self._side_lock:  # side jobs the shut-down worker will not run (their callers gave up on them)
+            for done, _, _ in self._side:
+                done.cancel()
+            self._side.clear()
         self._model = None
         self._decoder = None
         self._peft = None
@@ -301,11 +316,19 @@ class TransformersEngine:
                             self._vocab_size)
 
     def _submit_load(self, resident: Resident[Path]) -> asyncio.Future[None]:
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._load_adapter, resident.ref)
+        return self._submit_side(self._load_adapter, resident.ref)
 
     def _submit_delete(self, resident: Resident[Path]) -> asyncio.Future[None]:
         """Submitted when called: the worker deletes it before any job submitted later."""
-        return asyncio.get_running_loop().run_in_executor(self._executor, self._delete_adapter, resident.ref.name)
+        return self._submit_side(self._delete_adapter, resident.ref.name)
+
+    def _submit_side(self, fn: Callable[..., None], *args: Any) -> asyncio.Future[None]:
+        """Queue a side job; the worker runs it between forward passes of a batch, or as a job of its own."""
+        done: Future[None] = Future()
+        with self._side_lock:
+            self._side.append((done, fn, args))
+        self._executor.submit(self._run_side_jobs)  # runs whatever no batch ran before it
+        return asyncio.wrap_future(done)
 
     async def _batch_loop(self) -> None:
         """Consumes queued requests; produces Generations (set on each request's future as its
@@ -402,7 +425,7 @@ class TransformersEngine:
         t0 = time.monotonic()
         assert adapter.path is not None  # check_adapter_dir refused it on the loop
         config = (Path(adapter.path) / "adapter_config.json").read_bytes()
-        slot = next((name for name in self._free_slots if self._slot_configs[name] == config), None)
+        slot = self._free_slot(config)
         if slot is not None:
             self._fill_slot(slot, adapter)
         else:
@@ -457,6 +480,44 @@ class TransformersEngine:
                 params[k].copy_(t)
         self._free_slots.remove(slot)
 
+    def _run_side_jobs(self, between_steps: bool = False) -> None:
+        """Run queued side jobs in order (on the worker). Between a batch's forward passes, stop at the
+        first one that could change the weights the batch runs on: a load with no free slot to fill."""
+        while True:
+            with self._side_lock:
+                if not self._side:
+                    return
+                done, fn, args = self._side[0]
+                if between_steps and fn == self._load_adapter and self._slot_for(args[0]) is None:
+                    return
+                self._side.popleft()
+            if not done.set_running_or_notify_cancel():
+                continue  # its caller gave up on it (a closing residency)
+            try:
+                done.set_result(fn(*args))
+            except BaseException as e:  # the caller's to handle, as from run_in_executor
+                done.set_exception(e)
+
+    def _between_steps(self) -> None:
+        """The decoder's hook: side jobs that may run beside the batch, outside inference mode (the
+        parameters they write are the model's own, read by later batches)."""
+        if self._side:
+            with torch.inference_mode(False):
+                self._run_side_jobs(between_steps=True)
+
+    def _slot_for(self, adapter: AdapterRef) -> str | None:
+        """A free slot `adapter`'s load would fill, or None (a load that peft would inject, or fail)."""
+        if not self._free_slots:
+            return None
+        try:
+            return self._free_slot((Path(adapter.path) / "adapter_config.json").read_bytes())  # type: ignore[arg-type]
+        except OSError:
+            return None  # its load says what is wrong, after the batch
+
+    def _free_slot(self, config: bytes) -> str | None:
+        """The oldest free peft adapter made from the same adapter_config.json, or None."""
+        return next((name for name in self._free_slots if self._slot_configs[name] == config), None)
+
     def _delete_adapter(self, name: str) -> None:
         """Unload a version: its peft adapter stays, as a free slot the next version's tensors fill."""
         if name not in self._peft_loaded or self._peft is None:
@@ -506,7 +567,7 @@ class TransformersEngine:
         with self.busy, torch.inference_mode(), self._weights_of(groups[0].adapter):
             self._decoder.decode([g.request for g in groups], generator=self._generator,
                                  cancelled=lambda gi: groups[gi].cancelled, finished=finished,
-                                 sampled=self._count_tokens)
+                                 sampled=self._count_tokens, between=self._between_steps)
 
     def _count_tokens(self, count: int) -> None:
         self.stats.tokens_generated += count

@@ -406,3 +406,50 @@ def test_a_version_fills_the_slot_of_an_unloaded_one_and_samples_from_its_own_we
         assert gen.version == v
         assert _max_abs_diff(_adapted(model_dir, adapters[v]), gen) < 1e-4
     assert _max_abs_diff(_adapted(model_dir, adapters[1]), gens[2]) > 1e-2  # not the previous occupant's weights
+
+
+async def _until_decoding(engine: TransformersEngine, task: asyncio.Task[Generation]) -> None:
+    """Until `task`'s batch has sampled tokens (the only one running)."""
+    before = engine.stats.tokens_generated
+    while engine.stats.tokens_generated == before:
+        assert not task.done()
+        await asyncio.sleep(0.002)
+
+
+def test_a_version_loads_between_forward_passes_of_a_batch_on_another(
+        model_dir: Path, adapters: dict[int, AdapterRef]) -> None:
+    """A load that fills a free slot does not wait for a running batch on another version to end,
+    and that batch samples exactly as it does alone; a load that peft must inject waits for its end."""
+    long = _request(1, "a long batch", n=8, max_new_tokens=300, seed=7)
+
+    async def body(engine: TransformersEngine) -> dict[str, Any]:
+        await engine.load_adapter(adapters[1])
+        await engine.load_adapter(adapters[2])
+        await engine.unload_adapter(adapters[1])  # its slot is free: version 3's load fills it
+        running = asyncio.create_task(engine.generate(long, adapters[2]))
+        await _until_decoding(engine, running)
+        await engine.load_adapter(adapters[3])
+        filled_while_running = not running.done()
+        beside = await running
+        three = await engine.generate(_request(3, "version three", n=4), adapters[3])
+        alone = await engine.generate(long, adapters[2])
+        await engine.unload_adapter(adapters[3])
+        await engine.unload_adapter(adapters[2])
+        running = asyncio.create_task(engine.generate(long, adapters[2]))  # reloads 2 into a free slot
+        await _until_decoding(engine, running)
+        # 1 and 2 fill the two free slots; a third version has none left and peft injects one
+        await engine.load_adapter(adapters[1])
+        await engine.load_adapter(adapters[3])
+        injected_after_the_batch = running.done()
+        await running
+        return {"filled_while_running": filled_while_running, "beside": beside, "alone": alone, "three": three,
+                "injected_after_the_batch": injected_after_the_batch, "slots": len(engine._peft.peft_config)}
+
+    r = _run(model_dir, body, max_loaded_adapters=3, eos_token_ids=[])
+    assert r["filled_while_running"]
+    for b, a in zip(r["beside"].completions, r["alone"].completions, strict=True):
+        assert len(b.token_ids) == 300
+        np.testing.assert_array_equal(b.token_ids, a.token_ids)
+        np.testing.assert_array_equal(b.logprobs, a.logprobs)
+    assert _max_abs_diff(_adapted(model_dir, adapters[3]), r["three"]) < 1e-4  # the slot holds version 3 whole
+    assert r["injected_after_the_batch"] and r["slots"] == 3
