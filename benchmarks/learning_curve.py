@@ -154,7 +154,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="examples/cpu_default.toml", help="base TOML config (default: run.py's)")
     p.add_argument("--engine", default="transformers", choices=["transformers", "vllm", "simulated"])
-    p.add_argument("--model-shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"])
+    p.add_argument("--model-shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b"])
     p.add_argument("--engine-device", default="cpu")
     p.add_argument("--trainer-device", default="cpu")
     p.add_argument("--task", help="a built-in task (addition, char_class, copy, calculator); default: the config's")

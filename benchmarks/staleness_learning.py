@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="parallel runs (transformers engine)")
     ap.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
                     help="vllm: one engine on cuda:0 serves every run in turn, the trainer beside it")
-    ap.add_argument("--model-shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b"])
+    ap.add_argument("--model-shape", default="tiny", choices=["tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b"])
     ap.add_argument("--out", default="runs/benchmarks")
     ap.add_argument("--tag", default="", help="appended to the result's file name")
     ap.add_argument("--plot-only", default="", help="a result JSON to plot again")

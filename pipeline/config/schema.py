@@ -60,7 +60,7 @@ class ModelConfig:
     """The base model every engine and the trainer start from."""
 
     path: str = ""  # a local transformers model directory; "" builds the built-in model offline
-    shape: Literal["tiny", "small", "qwen2.5-0.5b"] = "tiny"  # shape of the built-in model (path = "")
+    shape: Literal["tiny", "small", "qwen2.5-0.5b", "qwen2.5-1.5b"] = "tiny"  # shape of the built-in model (path = "")
     cache_dir: str = ".cache/models"  # where built-in models are built once and reused
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights of engines built on transformers
     trust_remote_code: bool = False  # run code shipped with the model; off unless you trust it

@@ -153,6 +153,10 @@ SHAPES: dict[str, Shape] = {
     "qwen2.5-0.5b": Shape(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                           intermediate_size=4864, max_position_embeddings=32768, rope_theta=1_000_000.0,
                           dtype="bfloat16", vocab_size=151936),
+    # Qwen2.5-1.5B's shape, with random weights.
+    "qwen2.5-1.5b": Shape(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                          intermediate_size=8960, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                          dtype="bfloat16", vocab_size=151936),
 }
 
 
@@ -288,13 +292,11 @@ def build_model(shape: str, cache_dir: str | Path, seed: int = 0) -> Path:
     return target
 
 
-def _write_model(shape: Shape, out: Path, seed: int) -> None:
-    vocab = _model_vocab_size(shape)
-    tokenizer = build_tokenizer(vocab)
-    tokenizer.model_max_length = shape.max_position_embeddings
-    eos = tokenizer.eos_token_id
-    config = Qwen2Config(
-        vocab_size=vocab,
+def model_config(shape: Shape) -> Qwen2Config:
+    """The Qwen2Config of a built-in shape (its tokenizer's eos as bos, eos and pad)."""
+    eos = EOS_ID
+    return Qwen2Config(
+        vocab_size=_model_vocab_size(shape),
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers,
@@ -311,6 +313,13 @@ def _write_model(shape: Shape, out: Path, seed: int) -> None:
         eos_token_id=eos,
         pad_token_id=eos,
     )
+
+
+def _write_model(shape: Shape, out: Path, seed: int) -> None:
+    config = model_config(shape)
+    tokenizer = build_tokenizer(config.vocab_size)
+    tokenizer.model_max_length = shape.max_position_embeddings
+    eos = tokenizer.eos_token_id
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Initialise from our own seed without disturbing the caller's global RNG state.
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):

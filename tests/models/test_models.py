@@ -219,6 +219,23 @@ def test_concurrent_builders_leave_one_complete_model(tmp_path: Path) -> None:
     models.load_causal_lm(results[0], "cpu", "float32")
 
 
+@pytest.mark.parametrize(("shape", "parameters"), [("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304)])
+def test_the_shapes_named_for_qwen_models_have_their_parameter_counts(shape: str, parameters: int) -> None:
+    # Qwen2.5-0.5B's and 1.5B's published sizes (tied embeddings), counted without building weights
+    from transformers import Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(models.model_config(models.SHAPES[shape]))
+    assert sum(p.numel() for p in model.parameters()) == parameters
+
+
+def test_model_shape_takes_every_built_in_shape() -> None:
+    from pipeline.config.io import load_config
+
+    for shape in models.SHAPES:
+        assert load_config(None, {"model.shape": shape}).model.shape == shape
+
+
 def test_build_model_refuses_unknown_shape(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="huge"):
         models.build_model("huge", tmp_path)
