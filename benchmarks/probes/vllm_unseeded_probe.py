@@ -1,4 +1,8 @@
-"""Do two unseeded vLLM requests for the same prompt sample different tokens? (engine seeded once)"""
+"""Do two unseeded vLLM requests for the same prompt sample different tokens? (engine seeded once)
+
+    python benchmarks/probes/vllm_unseeded_probe.py   (on a GPU with vLLM; prints first tokens)
+"""
+import argparse
 import asyncio
 import numpy as np
 from pipeline.models import builtin as models
@@ -23,4 +27,5 @@ async def main():
     await eng.close()
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     asyncio.run(main())

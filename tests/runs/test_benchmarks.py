@@ -55,6 +55,15 @@ def test_every_script_has_help(name: str, capsys: pytest.CaptureFixture[str]) ->
     assert "--quick" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("probe", sorted(p.name for p in (BENCH / "probes").glob("*.py")))
+def test_every_probe_imports_and_has_help(probe: str) -> None:
+    # probes run only on a GPU: here, at least their imports (vLLM's come later, inside them) hold
+    done = subprocess.run([sys.executable, str(BENCH / "probes" / probe), "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage:")
+
+
 def test_machine_load_counts_a_finished_child_process_as_the_benchmarks_own() -> None:
     # a trainer process of a finished run is the benchmark's own work, not "other processes"
     common = load("common")

@@ -1,0 +1,159 @@
+"""Full weights handed from a trainer's GPU memory to a vLLM worker on the same GPU, not through files.
+
+Not a pipeline option yet: `benchmarks/probes/full_weight_sync_probe.py` measures this way beside
+the filesystem's (publish, verify, `reload_weights` from the directory), to decide whether the
+pipeline should take it (issue 30: where the filesystem costs over 10% of a step).
+
+The producer packs a version into one flat byte buffer of its own (`pack`) and shares it as one
+CUDA IPC handle (`share`); vLLM's worker, extended with `SharedWeightsWorker` (vLLM's
+`worker_extension_cls`), opens the handle, checks the bytes it sees against the checksum taken at
+packing, and reloads its model from them through the same layerwise reload vLLM runs for a
+directory (`reload_weights`, checkpoint format: tensor names as the trainer's model has them).
+
+Invariants:
+- A packed version is a copy: the producer's later steps do not change it. CUDA IPC memory stays
+  the producer's, so the producer keeps the `Packed` until the worker's load has returned.
+- Each tensor starts at a multiple of `ALIGN` bytes; the padding between tensors is zero.
+- `checksum` depends on every byte and on its position: a buffer overwritten, cut short or
+  shifted does not match the producer's.
+- The worker reloads nothing unless the bytes it opened have the producer's checksum and every
+  tensor of the layout lies inside them.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+import torch
+
+ALIGN = 16  # bytes: every dtype's alignment, and the int64 words `checksum` reads
+_CHUNK_WORDS = 1 << 24  # `checksum` weighs 128 MiB at a time: its scratch stays that small
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a packed version lies in its flat buffer."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # torch dtype names ("bfloat16")
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]  # bytes into the buffer
+    nbytes: int  # the buffer's size
+
+    @classmethod
+    def of(cls, d: dict[str, Any]) -> Layout:
+        """From `asdict(layout)` after a trip through msgpack (lists for tuples)."""
+        return cls(names=tuple(d["names"]), dtypes=tuple(d["dtypes"]), shapes=tuple(tuple(s) for s in d["shapes"]),
+                   offsets=tuple(d["offsets"]), nbytes=int(d["nbytes"]))
+
+
+@dataclass
+class Packed:
+    """One version's weights in a buffer nothing else writes."""
+
+    version: int
+    flat: torch.Tensor  # uint8, on the producer's device
+    layout: Layout
+    checksum: str
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def tensor_at(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of `dtype` and `shape` at byte `offset` of `flat` (a view, no copy)."""
+    return flat[offset:offset + _nbytes(dtype, shape)].view(dtype).view(shape)
+
+
+def pack(version: int, named: Iterable[tuple[str, torch.Tensor]]) -> Packed:
+    """Copy `named` tensors (all on one device) into one new flat buffer on that device."""
+    named = [(name, t.detach()) for name, t in named]
+    if not named:
+        raise ValueError("pack: no tensors")
+    offsets, end = [], 0
+    for _, t in named:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    flat = torch.zeros(max(end, ALIGN), dtype=torch.uint8, device=named[0][1].device)
+    for (_, t), offset in zip(named, offsets):
+        tensor_at(flat, offset, t.dtype, tuple(t.shape)).copy_(t)
+    layout = Layout(names=tuple(n for n, _ in named), dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in named),
+                    shapes=tuple(tuple(t.shape) for _, t in named), offsets=tuple(offsets), nbytes=flat.numel())
+    return Packed(version=version, flat=flat, layout=layout, checksum=checksum(flat))
+
+
+def unpack(flat: torch.Tensor, layout: Layout) -> list[tuple[str, torch.Tensor]]:
+    """(name, view into `flat`) for every tensor of `layout`; ValueError if one lies outside `flat`."""
+    if flat.dtype != torch.uint8 or flat.numel() != layout.nbytes:
+        raise ValueError(f"the buffer holds {flat.numel()} {flat.dtype} elements; the layout says {layout.nbytes} bytes")
+    out = []
+    for name, dtype_name, shape, offset in zip(layout.names, layout.dtypes, layout.shapes, layout.offsets, strict=True):
+        dtype = getattr(torch, dtype_name)
+        if offset % ALIGN or offset < 0 or offset + _nbytes(dtype, shape) > layout.nbytes:
+            raise ValueError(f"tensor {name} at byte {offset} ({dtype_name}, {list(shape)}) lies outside the buffer")
+        out.append((name, tensor_at(flat, offset, dtype, shape)))
+    return out
+
+
+def checksum(flat: torch.Tensor) -> str:
+    """Two sums over the buffer's int64 words, on its device: the words, and each word times its
+    position (both wrapping at 2^64, so the order of the additions does not matter)."""
+    words = flat.view(torch.int64)
+    plain = torch.zeros((), dtype=torch.int64, device=flat.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, words.numel(), _CHUNK_WORDS):
+        chunk = words[start:start + _CHUNK_WORDS]
+        position = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=flat.device)
+        plain += chunk.sum()
+        weighted += (chunk * position).sum()
+    return f"{int(plain) & (2**64 - 1):016x}{int(weighted) & (2**64 - 1):016x}"
+
+
+def share(packed: Packed) -> dict[str, Any]:
+    """What the worker needs, as plain data vLLM's RPC carries: the version, the layout, the
+    checksum and the buffer's CUDA IPC handle (pickled: it holds torch types msgpack does not)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if packed.flat.device.type != "cuda":
+        raise ValueError(f"share: CUDA IPC needs a CUDA buffer, got one on {packed.flat.device}")
+    _, args = reduce_tensor(packed.flat)
+    return {"version": packed.version, "layout": asdict(packed.layout), "checksum": packed.checksum,
+            "handle": pickle.dumps(args)}
+
+
+def open_shared(payload: dict[str, Any]) -> torch.Tensor:
+    """The producer's buffer, opened on this process's current CUDA device (the same GPU)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    args = list(pickle.loads(payload["handle"]))
+    args[6] = torch.cuda.current_device()  # reduce_tensor's storage device: the producer's index for the GPU
+    return rebuild_cuda_tensor(*args)
+
+
+class SharedWeightsWorker:
+    """Mixed into vLLM's GPU worker (`worker_extension_cls="pipeline.engines.shared_weights.SharedWeightsWorker"`);
+    called as `collective_rpc("load_shared_weights", args=(share(packed),))` while generation is paused."""
+
+    model_runner: Any  # vLLM's GPUModelRunner, set by the worker this class is mixed into
+
+    def load_shared_weights(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Reload the model from the shared buffer; refuse (ValueError) bytes that do not check out."""
+        t0 = time.perf_counter()
+        flat = open_shared(payload)
+        weights = unpack(flat, Layout.of(payload["layout"]))
+        seen = checksum(flat)
+        if seen != payload["checksum"]:
+            raise ValueError(f"version {payload['version']}: the shared buffer's checksum is {seen}, "
+                             f"the producer's {payload['checksum']}: its memory changed after packing")
+        t_checked = time.perf_counter()
+        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        if flat.is_cuda:
+            torch.cuda.synchronize()
+        del weights, flat
+        return {"version": payload["version"], "checksum": seen, "open_check_s": t_checked - t0,
+                "reload_s": time.perf_counter() - t_checked}
