@@ -102,6 +102,7 @@ async def by_memory(llm: Any, trainer: PolicyTrainer, version: int) -> dict[str,
     t2 = time.perf_counter()
     assert reply["checksum"] == packed.checksum and reply["version"] == version, reply
     del packed  # the worker's load has returned: the buffer may go
+    torch.cuda.ipc_collect()  # and its memory with it, now that the worker let go of the handle
     return {"pack_s": t1 - t0, "load_s": t2 - t1, "worker_check_s": reply["open_check_s"],
             "worker_reload_s": reply["reload_s"], "total_s": t2 - t0}
 
