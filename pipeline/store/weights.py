@@ -38,6 +38,10 @@ Invariants:
   and files are opened with O_NOFOLLOW.
 - A version directory that vanishes while it is being read (pruned, discarded) is
   AdapterNotFoundError; one whose files differ from its manifest is AdapterCorruptError.
+- `verify_dir` hashes every file, except in the store that published the version: there a file
+  whose identity (device, inode, size, mtime, ctime) is the one it had when the publish hashed
+  it is those bytes; any write to it, replacement or truncation makes it hashed again. A whole
+  model's version is read and hashed once per process, not twice.
 - One publisher per root (the trainer). Engines on other processes or hosts open the same root
   with `readonly=True`: they never create, clean or delete anything there.
 """
@@ -112,6 +116,12 @@ def _write_hint(e: OSError, root: Path) -> str:
     return f"check the filesystem of {root} (mounted, healthy, writable)"
 
 
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """What changes whenever a file's bytes or the file itself do: a write changes its ctime (which
+    no call can set back) and its mtime, a replacement its inode, a truncation its size."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def _is_pickle(name: str) -> bool:
     return name.lower().endswith(PICKLE_SUFFIXES)
 
@@ -160,6 +170,9 @@ class AdapterStore:
         self._newest_published = 0  # newest version this store has seen, even if pruned since
         self._pins: dict[int, int] = {}
         self._waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        # version directory this store published -> each file's identity when it was hashed
+        # (`_identity`): verify_dir takes a file whose identity is unchanged as the bytes hashed
+        self._hashed: dict[str, dict[str, tuple[int, ...]]] = {}
         if not readonly:
             self._open_for_writing()
 
@@ -299,7 +312,8 @@ class AdapterStore:
             # the same model may be named by different paths on different hosts: say so, don't refuse
             log.warning("adapter_base_model_differs", adapter=p.name, manifest=theirs, store=self.base_model)
         files: dict[str, str] = manifest["files"]
-        # one listing gives every file's type (no stat per file: each is a round trip on NFS)
+        with self._state_lock:
+            hashed = self._hashed.get(p.name, {})  # what this store hashed as it published them
         try:
             with os.scandir(p) as it:
                 present = {e.name: e for e in it}
@@ -311,8 +325,12 @@ class AdapterStore:
             if entry is not None and entry.is_symlink():
                 raise AdapterCorruptError(f"adapter {p.name}: {name} is a symbolic link, not a file the store wrote")
             try:
-                actual = _sha256_file(entry.path) if entry is not None and entry.is_file(follow_symlinks=False) \
-                    else None
+                if entry is None or not entry.is_file(follow_symlinks=False):
+                    actual = None
+                elif name in hashed and _identity(entry.stat(follow_symlinks=False)) == hashed[name]:
+                    actual = expected  # the very file this store hashed when it published it, untouched since
+                else:
+                    actual = _sha256_file(entry.path)
             except FileNotFoundError:  # deleted between the listing and the open: same as missing
                 actual = None
             except OSError as e:
@@ -415,7 +433,7 @@ class AdapterStore:
                 stage = "writing the adapter files"
                 write(tmp)
                 stage = "hashing and syncing the adapter files"
-                files = self._hash_new_files(tmp)
+                files, identities = self._hash_new_files(tmp)
                 digest = content_hash(files)
                 manifest = {"format": MANIFEST_FORMAT, "version": version, "kind": self.kind, "base_model": self.base_model,
                             "created": time.time(), "files": files, "content_sha256": digest}
@@ -447,6 +465,7 @@ class AdapterStore:
                 raise
             with self._state_lock:
                 self._newest_published = version
+                self._hashed[final.name] = identities
                 waiters = list(self._waiters)
         for loop, event in waiters:
             try:
@@ -464,8 +483,9 @@ class AdapterStore:
         except StoreError as e:  # the publish already failed and says so; this only adds the leftover
             log.error("adapter_take_back_failed", path=str(final), error=str(e))
 
-    def _hash_new_files(self, tmp: Path) -> dict[str, str]:
-        """Check what `write` produced, hash it and (if `sync`) force it to disk: name -> sha256 of every file.
+    def _hash_new_files(self, tmp: Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+        """Check what `write` produced, hash it and (if `sync`) force it to disk: name -> sha256 of
+        every file, and name -> the file's identity once hashed (`_identity`).
 
         One directory listing gives every file's type (no stat per file) and each file is opened
         once: on a shared filesystem every metadata operation is a round trip to the server."""
@@ -489,7 +509,8 @@ class AdapterStore:
                              f"a {self.kind} store publishes {'whole models' if self.kind == 'full' else 'LoRA adapters'}")
         if not any(n.endswith(".safetensors") for n in names):
             raise StoreError(f"refusing to publish {tmp}: no .safetensors file (found {names})")
-        return {e.name: _sha256_file(e.path, sync=self.sync) for e in entries}
+        files = {e.name: _sha256_file(e.path, sync=self.sync) for e in entries}
+        return files, {e.name: _identity(os.stat(e.path, follow_symlinks=False)) for e in entries}
 
     # --- waiting -------------------------------------------------------------------------
 
@@ -599,6 +620,8 @@ class AdapterStore:
     def _delete_version(self, names: list[str]) -> None:
         """Rename each directory to `.tmp-del-*` (readers never see half of it), then remove it."""
         for name in names:
+            with self._state_lock:
+                self._hashed.pop(name, None)
             doomed = self.root / f"{TMP_PREFIX}del-{name}-{uuid.uuid4().hex}"
             try:
                 os.rename(self.root / name, doomed)

@@ -290,6 +290,30 @@ def test_a_corrupted_adapter_directory_is_refused_with_a_clear_error(tmp_path: P
         assert ref.name in str(info.value)
 
 
+def test_the_publishing_store_verifies_its_own_untouched_files_without_reading_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a full-weight version is a whole model: hashed once as it is published, not again by the
+    # adapter loop's verify in the same process; any write, replacement or other reader hashes again
+    store = AdapterStore(tmp_path)
+    ref = store.publish(1, writer(1.0))
+    real = adapter_store._sha256_file
+    read: list[str] = []
+    monkeypatch.setattr(adapter_store, "_sha256_file", lambda path, **kw: read.append(os.path.basename(path))
+                        or real(path, **kw))
+    assert store.verify_dir(ref.path) == ref and read == []
+    assert AdapterStore(tmp_path, readonly=True).verify_dir(ref.path) == ref and len(read) == 2
+    read.clear()
+    f = Path(ref.path) / "adapter_model.safetensors"
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))  # same size, and the mtime put back: the ctime still moved
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(AdapterCorruptError, match=r"adapter_model\.safetensors sha256 is"):
+        store.verify_dir(ref.path)
+    assert read == ["adapter_model.safetensors"]  # the untouched config was not read again
+
+
 def test_a_renamed_directory_is_refused(tmp_path: Path) -> None:
     store = AdapterStore(tmp_path)
     ref = store.publish(1, writer())
@@ -511,8 +535,8 @@ def test_a_version_deleted_after_listing_is_not_found_naming_its_path(tmp_path: 
 
 def test_a_version_deleted_while_its_files_are_hashed_is_not_found(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    store = AdapterStore(tmp_path)
-    ref = store.publish(1, writer())
+    ref = AdapterStore(tmp_path).publish(1, writer())
+    store = AdapterStore(tmp_path, readonly=True)  # a reader, which hashes every file it verifies
     real = adapter_store._sha256_file
     calls = []
 
