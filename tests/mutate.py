@@ -49,6 +49,9 @@ TARGETS = {
     "loop/outcomes": ["tests/loop/test_outcomes.py", "tests/loop/test_orchestrator.py"],
     "loop/episodes": ["tests/loop/test_episodes.py"],
     "store/ledger": ["tests/store/test_ledger.py"],
+    # the checks between a published version and an engine: a wrong one serves corrupt weights
+    "store/weights": ["tests/store/test_adapter_store.py"],
+    "engines/shared_weights": ["tests/engines/test_shared_weights.py"],
 }
 
 _SWAPS: dict[type, type] = {

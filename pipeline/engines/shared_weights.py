@@ -32,6 +32,7 @@ import torch
 
 ALIGN = 16  # bytes: every dtype's alignment, and the int64 words `checksum` reads
 _CHUNK_WORDS = 1 << 24  # `checksum` weighs 128 MiB at a time: its scratch stays that small
+_U64 = (1 << 64) - 1  # a wrapped int64 sum as the unsigned 64-bit number it stands for
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def checksum(flat: torch.Tensor) -> str:
         position = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=flat.device)
         plain += chunk.sum()
         weighted += (chunk * position).sum()
-    return f"{int(plain) & (2**64 - 1):016x}{int(weighted) & (2**64 - 1):016x}"
+    return f"{int(plain) & _U64:016x}{int(weighted) & _U64:016x}"
 
 
 def share(packed: Packed) -> dict[str, Any]:
