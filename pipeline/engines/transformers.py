@@ -484,12 +484,13 @@ class TransformersEngine:
         """Run queued side jobs in order (on the worker). Between a batch's forward passes, stop at the
         first one that could change the weights the batch runs on: a load with no free slot to fill."""
         while True:
-            with self._side_lock:
+            with self._side_lock:  # the loop only appends: the head stays ours until this thread pops it
                 if not self._side:
                     return
                 done, fn, args = self._side[0]
-                if between_steps and fn == self._load_adapter and self._slot_for(args[0]) is None:
-                    return
+            if between_steps and fn == self._load_adapter and self._slot_for(args[0]) is None:
+                return
+            with self._side_lock:
                 self._side.popleft()
             if not done.set_running_or_notify_cancel():
                 continue  # its caller gave up on it (a closing residency)
