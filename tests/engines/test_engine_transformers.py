@@ -453,3 +453,28 @@ def test_a_version_loads_between_forward_passes_of_a_batch_on_another(
         np.testing.assert_array_equal(b.logprobs, a.logprobs)
     assert _max_abs_diff(_adapted(model_dir, adapters[3]), r["three"]) < 1e-4  # the slot holds version 3 whole
     assert r["injected_after_the_batch"] and r["slots"] == 3
+
+
+def test_closing_with_a_load_queued_behind_a_batch_ends_the_load_and_restarts_clean(
+        model_dir: Path, adapters: dict[int, AdapterRef]) -> None:
+    """A load that waits for a running batch's end (no free slot) does not outlive close(): its
+    caller gets an error, nothing hangs, and a restart loads and samples that version afresh."""
+    long = _request(1, "a long batch", n=8, max_new_tokens=300, seed=7)
+
+    async def body(engine: TransformersEngine) -> tuple[BaseException | None, Generation]:
+        await engine.load_adapter(adapters[1])
+        running = asyncio.create_task(engine.generate(long, adapters[1]))
+        await _until_decoding(engine, running)
+        load = asyncio.create_task(engine.load_adapter(adapters[2]))  # peft must inject: after the batch
+        await asyncio.sleep(0.02)
+        assert not load.done()
+        await asyncio.wait_for(engine.close(), timeout=30)
+        error = (await asyncio.gather(asyncio.wait_for(load, timeout=30), return_exceptions=True))[0]
+        await asyncio.gather(running, return_exceptions=True)
+        await engine.start()
+        await engine.load_adapter(adapters[2])
+        return error, await engine.generate(_request(2, "after the restart", n=4), adapters[2])
+
+    error, gen = _run(model_dir, body, max_loaded_adapters=3, eos_token_ids=[])
+    assert isinstance(error, (asyncio.CancelledError, EngineDeadError)), error
+    assert _max_abs_diff(_adapted(model_dir, adapters[2]), gen) < 1e-4
