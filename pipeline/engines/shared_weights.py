@@ -23,7 +23,6 @@ Invariants:
 from __future__ import annotations
 
 import math
-import pickle
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
@@ -115,25 +114,53 @@ def checksum(flat: torch.Tensor) -> str:
     return f"{int(plain) & _U64:016x}{int(weighted) & _U64:016x}"
 
 
+# reduce_tensor's arguments for rebuild_cuda_tensor (torch.multiprocessing.reductions), in order
+_IPC_FIELDS = ("tensor_cls", "size", "stride", "tensor_offset", "storage_cls", "dtype", "device", "handle",
+               "storage_size_bytes", "storage_offset_bytes", "requires_grad", "ref_counter_handle",
+               "ref_counter_offset", "event_handle", "event_sync_required")
+# the classes a plain CUDA buffer's arguments name, by name: the payload carries no Python objects
+_CLASSES = {"Tensor": torch.Tensor, "TypedStorage": torch.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+
+
+def ipc_fields(args: tuple[Any, ...]) -> dict[str, Any]:
+    """reduce_tensor's arguments as plain data (names, ints, bytes): what vLLM's RPC carries, and
+    what the worker rebuilds without unpickling anything."""
+    fields = dict(zip(_IPC_FIELDS, args, strict=True))
+    for key in ("tensor_cls", "storage_cls"):
+        name = fields[key].__name__
+        if _CLASSES.get(name) is not fields[key]:
+            raise ValueError(f"share: a buffer whose {key} is {fields[key]!r} cannot be sent as plain data")
+        fields[key] = name
+    fields["dtype"] = str(fields["dtype"]).removeprefix("torch.")
+    fields["size"], fields["stride"] = list(fields["size"]), list(fields["stride"])
+    return fields
+
+
+def ipc_args(fields: dict[str, Any], device: int) -> tuple[Any, ...]:
+    """`ipc_fields`' inverse, for `device` (this process's index of the producer's GPU)."""
+    plain = {**fields, "tensor_cls": _CLASSES[fields["tensor_cls"]], "storage_cls": _CLASSES[fields["storage_cls"]],
+             "dtype": getattr(torch, fields["dtype"]), "size": torch.Size(fields["size"]),
+             "stride": tuple(fields["stride"]), "device": device}
+    return tuple(plain[k] for k in _IPC_FIELDS)
+
+
 def share(packed: Packed) -> dict[str, Any]:
     """What the worker needs, as plain data vLLM's RPC carries: the version, the layout, the
-    checksum and the buffer's CUDA IPC handle (pickled: it holds torch types msgpack does not)."""
+    checksum and the buffer's CUDA IPC handle."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     if packed.flat.device.type != "cuda":
         raise ValueError(f"share: CUDA IPC needs a CUDA buffer, got one on {packed.flat.device}")
     _, args = reduce_tensor(packed.flat)
     return {"version": packed.version, "layout": asdict(packed.layout), "checksum": packed.checksum,
-            "handle": pickle.dumps(args)}
+            "ipc": ipc_fields(args)}
 
 
 def open_shared(payload: dict[str, Any]) -> torch.Tensor:
     """The producer's buffer, opened on this process's current CUDA device (the same GPU)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    args = list(pickle.loads(payload["handle"]))
-    args[6] = torch.cuda.current_device()  # reduce_tensor's storage device: the producer's index for the GPU
-    return rebuild_cuda_tensor(*args)
+    return rebuild_cuda_tensor(*ipc_args(payload["ipc"], torch.cuda.current_device()))
 
 
 class SharedWeightsWorker:

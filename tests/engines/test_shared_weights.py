@@ -72,7 +72,7 @@ def _worker(monkeypatch: pytest.MonkeyPatch, flat: torch.Tensor) -> sw.SharedWei
 def _payload(packed: sw.Packed) -> dict[str, Any]:
     # as vLLM's RPC carries it: the layout as JSON-like lists
     return {"version": packed.version, "layout": json.loads(json.dumps(asdict(packed.layout))),
-            "checksum": packed.checksum, "handle": b""}
+            "checksum": packed.checksum, "ipc": {}}
 
 
 def test_the_worker_reloads_the_model_from_exactly_the_packed_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -109,6 +109,27 @@ def test_a_layout_that_leaves_the_buffer_is_refused(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ValueError, match="the layout says"):
         worker.load_shared_weights(short)
     assert worker.model_runner.loads == []
+
+
+def test_the_ipc_handle_travels_as_plain_data_and_rebuilds_the_same_arguments() -> None:
+    # reduce_tensor's arguments for a CUDA buffer, as torch hands them out; the payload holds no
+    # Python objects (nothing to unpickle), and the worker rebuilds them for its own device index
+    args = (torch.Tensor, torch.Size([4096]), (1,), 0, torch.TypedStorage, torch.uint8, 0, b"\x01cuda-handle",
+            4096, 512, False, b"ref-counter", 7, b"\x02event", True)
+    fields = sw.ipc_fields(args)
+    assert all(isinstance(v, (str, int, bytes, list)) for v in fields.values()), fields
+    assert fields["tensor_cls"] == "Tensor" and fields["storage_cls"] == "TypedStorage" and fields["dtype"] == "uint8"
+    rebuilt = sw.ipc_args(json_round_trip(fields), device=3)
+    assert rebuilt == args[:6] + (3,) + args[7:]
+    assert rebuilt[0] is torch.Tensor and rebuilt[4] is torch.TypedStorage and rebuilt[5] is torch.uint8
+    with pytest.raises(ValueError, match="whose tensor_cls is .*Parameter.* cannot be sent as plain data"):
+        sw.ipc_fields((torch.nn.Parameter,) + args[1:])
+
+
+def json_round_trip(fields: dict[str, Any]) -> dict[str, Any]:
+    """Through a format without tuples or bytes objects of its own (as vLLM's msgpack has none of torch's)."""
+    text = json.dumps({k: v.hex() if isinstance(v, bytes) else v for k, v in fields.items()})
+    return {k: bytes.fromhex(v) if isinstance(fields[k], bytes) else v for k, v in json.loads(text).items()}
 
 
 def test_share_needs_a_cuda_buffer() -> None:
