@@ -314,6 +314,7 @@ class AdapterStore:
         files: dict[str, str] = manifest["files"]
         with self._state_lock:
             hashed = self._hashed.get(p.name, {})  # what this store hashed as it published them
+        # one listing gives every file's type (no stat per file: each is a round trip on NFS)
         try:
             with os.scandir(p) as it:
                 present = {e.name: e for e in it}
@@ -487,8 +488,8 @@ class AdapterStore:
         """Check what `write` produced, hash it and (if `sync`) force it to disk: name -> sha256 of
         every file, and name -> the file's identity once hashed (`_identity`).
 
-        One directory listing gives every file's type (no stat per file) and each file is opened
-        once: on a shared filesystem every metadata operation is a round trip to the server."""
+        One directory listing gives every file's type and each file is opened once, with one stat
+        for its identity: on a shared filesystem every metadata operation is a round trip."""
         with os.scandir(tmp) as it:
             entries = sorted(it, key=lambda e: e.name)
         names = [e.name for e in entries]
@@ -509,8 +510,9 @@ class AdapterStore:
                              f"a {self.kind} store publishes {'whole models' if self.kind == 'full' else 'LoRA adapters'}")
         if not any(n.endswith(".safetensors") for n in names):
             raise StoreError(f"refusing to publish {tmp}: no .safetensors file (found {names})")
-        files = {e.name: _sha256_file(e.path, sync=self.sync) for e in entries}
-        return files, {e.name: _identity(os.stat(e.path, follow_symlinks=False)) for e in entries}
+        # each identity taken before its hash: a file changed while it is hashed no longer matches it
+        identities = {e.name: _identity(os.stat(e.path, follow_symlinks=False)) for e in entries}
+        return {e.name: _sha256_file(e.path, sync=self.sync) for e in entries}, identities
 
     # --- waiting -------------------------------------------------------------------------
 
