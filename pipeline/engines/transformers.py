@@ -169,6 +169,9 @@ class TransformersEngine:
         # adapter loads and deletes in submission order, run by the worker (`_run_side_jobs`)
         self._side: deque[tuple[Future[None], Callable[..., None], tuple[Any, ...]]] = deque()
         self._side_lock = threading.Lock()
+        # the load at the head that found no free slot between this batch's passes: none frees
+        # while it blocks the queue, so it is not looked at again until the batch ends
+        self._blocked: Future[None] | None = None
 
         # Event-loop state.
         self._queue: deque[_Pending] = deque()
@@ -488,7 +491,9 @@ class TransformersEngine:
                 if not self._side:
                     return
                 done, fn, args = self._side[0]
-            if between_steps and fn == self._load_adapter and self._slot_for(args[0]) is None:
+            if between_steps and fn == self._load_adapter and (
+                    done is self._blocked or self._slot_for(args[0]) is None):
+                self._blocked = done
                 return
             with self._side_lock:
                 self._side.popleft()
