@@ -1,8 +1,9 @@
 """Full weights handed from a trainer's GPU memory to a vLLM worker on the same GPU, not through files.
 
-Not a pipeline option yet: `benchmarks/probes/full_weight_sync_probe.py` measures this way beside
-the filesystem's (publish, verify, `reload_weights` from the directory), to decide whether the
-pipeline should take it (issue 30: where the filesystem costs over 10% of a step).
+trainer.publish = "memory" (docs/full-weights.md): the trainer packs and shares each version
+(`PolicyTrainer.share_weights`, which keeps the buffer while an engine may load it), the vLLM
+engine has its worker load it (`pipeline.engines.vllm`). `benchmarks/probes/full_weight_sync_probe.py`
+measures this way beside the filesystem's.
 
 The producer packs a version into one flat byte buffer of its own (`pack`) and shares it as one
 CUDA IPC handle (`share`); vLLM's worker, extended with `SharedWeightsWorker` (vLLM's

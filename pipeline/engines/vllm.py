@@ -25,8 +25,9 @@ Invariants (beyond the Engine protocol's):
 - Full-weight updates (`full_weights=True`): no LoRA; the engine holds one version's weights.
   `load_adapter(v)` waits until none of its requests runs, pauses vLLM's scheduler (which also
   clears the prefix cache: blocks computed with the old weights must not be reused), reloads the
-  weights in place from v's directory (`reload_weights` on the workers, vLLM's own loader) and
-  resumes. `generate` for any version but the one loaded (or while a load is under way) raises
+  weights in place from v's directory (`reload_weights` on the workers, vLLM's own loader), or
+  from the trainer's GPU memory for a version shared there (`AdapterRef.shared`: the worker
+  extension pipeline.engines.shared_weights checks its checksum first), and resumes. `generate` for any version but the one loaded (or while a load is under way) raises
   GenerationError, so a group is never sampled with other weights than its label. A failed
   reload leaves no version loaded until a load succeeds (the weights may be half-replaced).
 - Cancelling `generate` aborts the vLLM request: `AsyncLLM.generate` aborts on CancelledError
@@ -112,6 +113,7 @@ ENV_DEFAULTS = {
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
 }
 
+SHARED_WEIGHTS_WORKER = "pipeline.engines.shared_weights.SharedWeightsWorker"  # vLLM's worker_extension_cls
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM's finish_reason -> ours; others kept as is
 _FAILED_REASONS = ("abort", "error")  # a completion that ended like this is no sample of the policy
 
@@ -406,7 +408,9 @@ class VLLMEngine:
             # a run sizes it to its work (pipeline.loop.build.graph_sequences); 0 (an engine built on
             # its own): every batch the scheduler can form runs as a graph (vLLM alone stops at 512)
             max_cudagraph_capture_size=self.cfg.max_cudagraph_capture_size or self.cfg.max_num_seqs,
-            **({} if self.full_weights else {"enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
+            # full weights: the worker can also load a version from the trainer's GPU memory
+            # (trainer.publish = "memory"; pipeline.engines.shared_weights)
+            **({"worker_extension_cls": SHARED_WEIGHTS_WORKER} if self.full_weights else {"enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
                                              "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
                                              # one graph per size, with LoRA: vLLM would capture each size again
                                              # without it, for batches on no adapter, which a run has only
@@ -572,11 +576,16 @@ class VLLMEngine:
                                   f"asked for version {adapter.version}")
 
     async def _load_weights(self, adapter: AdapterRef) -> None:
-        """Replace the weights with `adapter`'s (its directory, or the base model for version 0)."""
+        """Replace the weights with `adapter`'s (its directory, its shared buffer, or the base model for version 0)."""
         async with self._swap_lock:
             if same_version(self._weights, adapter):
                 return
-            path = self.model_path if adapter.version == 0 else check_model_dir(adapter)
+            if adapter.shared is not None:  # in the trainer's GPU memory: the worker checks its checksum
+                source, method = "the trainer's GPU memory", "load_shared_weights"
+                call: dict[str, Any] = {"args": (dict(adapter.shared),)}
+            else:
+                path = self.model_path if adapter.version == 0 else check_model_dir(adapter)
+                source, method, call = repr(str(path)), "reload_weights", {"kwargs": {"weights_path": str(path)}}
             self._swapping = adapter
             t0 = time.monotonic()
             try:
@@ -586,19 +595,19 @@ class VLLMEngine:
                 # pausing also clears the prefix cache: KV blocks of the old weights must not be reused
                 await self._llm.pause_generation(mode="wait")
                 try:
-                    await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+                    await self._llm.collective_rpc(method, **call)
                 finally:
                     await self._llm.resume_generation()
             except Exception as e:
                 if isinstance(e, PipelineError):
                     raise
                 raise AdapterCorruptError(f"engine {self.name}: vLLM could not load the weights of version "
-                                          f"{adapter.version} from {str(path)!r}: {type(e).__name__}: {e}") from e
+                                          f"{adapter.version} from {source}: {type(e).__name__}: {e}") from e
             finally:
                 self._swapping = None
             self._weights = adapter
             self.stats.adapters_loaded += 1
-            log.info("weights_loaded", engine=self.name, version=adapter.version, path=str(path),
+            log.info("weights_loaded", engine=self.name, version=adapter.version, source=source,
                      seconds=round(time.monotonic() - t0, 3))
 
     # ------------------------------------------------------------------ adapters

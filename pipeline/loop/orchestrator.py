@@ -260,7 +260,8 @@ class Pipeline:
         self.tokenizer, self.setup["tokenizer_s"] = await tokenizing
         builder = build.prompt_builder(cfg, self.tokenizer, self.model_path, self.engines)  # needs started engines
         if session.checkpoint is not None:
-            await continue_trainer(self.trainer, session.checkpoint, self.store, self.versions, self.start_version)
+            await continue_trainer(self.trainer, session.checkpoint, self.store, self.versions, self.start_version,
+                                   memory=cfg.trainer.publish == "memory")
 
         self.scoring = Scoring(texts=Texts(self.tokenizer), scorer=self.scorer,
                                outcomes=self.outcomes, filter_zero_advantage=pc.filter_zero_advantage,

@@ -36,6 +36,29 @@ def preflight(cfg: RunConfig, *, builds_engines: bool = True, builds_trainer: bo
     check_chat_template(cfg.data.chat_template)
     check_trackers(cfg.log.trackers)
     check_devices(cfg, builds_engines=builds_engines, builds_trainer=builds_trainer)
+    check_memory_publish(cfg, builds_engines=builds_engines, builds_trainer=builds_trainer)
+
+
+def check_memory_publish(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool) -> None:
+    """trainer.publish = "memory" where the pipeline builds what it needs: vLLM engines in this
+    process's reach and one trainer process, all on one GPU (CUDA IPC opens memory of the same GPU
+    only). Engines or a trainer of the caller's own are the caller's to match."""
+    if cfg.trainer.publish != "memory":
+        return
+    why = 'trainer.publish = "memory" hands each version to vLLM through the trainer\'s GPU memory'
+    if builds_engines and cfg.engine.kind not in ("vllm", "simulated"):
+        raise ConfigError(f'{why}: it needs engine.kind = "vllm", got {cfg.engine.kind!r}; use trainer.publish = "files"')
+    if builds_trainer and cfg.trainer.kind == "peft":
+        if cfg.trainer.devices:
+            raise ConfigError(f"{why}: it needs one trainer process, not trainer ranks (trainer.devices = "
+                              f"{_show(cfg.trainer.devices)})")
+        if not cfg.trainer.device.startswith("cuda"):
+            raise ConfigError(f'{why}: trainer.device must be a GPU ("cuda:N"), got {cfg.trainer.device!r}')
+    if builds_engines and builds_trainer and cfg.engine.kind == "vllm" and cfg.trainer.kind == "peft":
+        for i, device in enumerate(cfg.engine.devices):
+            if device != cfg.trainer.device:
+                raise ConfigError(f'{why}: engine.devices[{i}] = "{device}" is not trainer.device = '
+                                  f'"{cfg.trainer.device}"; every engine must share the trainer\'s GPU')
 
 
 # os.path's tests never raise: a too-long, unreadable or malformed path is simply "not there"

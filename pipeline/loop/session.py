@@ -31,6 +31,7 @@ from pipeline.errors import ConfigError, StoreError, TrainerError
 from pipeline.store.ledger import Ledger
 from pipeline.observe.metrics import read_jsonl
 from pipeline.loop.outcomes import FLUSH_GROUPS
+from pipeline.types import AdapterRef
 from pipeline.store.rollout_log import RolloutLog
 
 log = structlog.get_logger(__name__)
@@ -137,13 +138,17 @@ def open_session(cfg: RunConfig, run_dir: Path, *, resume: bool, force: bool, fi
     return session
 
 
-async def continue_trainer(trainer: Any, ck: Any, store: AdapterStore, versions: Any, version: int) -> None:
+async def continue_trainer(trainer: Any, ck: Any, store: AdapterStore, versions: Any, version: int, *,
+                           memory: bool = False) -> None:
     """The trainer continues from checkpoint `ck`; its version is published again (the same bytes, the
     same directory name) and every engine serves it before the first group."""
     await asyncio.to_thread(trainer.load_state, ck.trainer_dir)
     if trainer.version != version:
         raise TrainerError(f"checkpoint {ck.path} holds trainer version {trainer.version}, its ledger says {version}")
-    ref = await asyncio.to_thread(store.publish, version, trainer.save_adapter)
+    if memory:  # trainer.publish = "memory": handed over in the trainer's GPU memory, as every later version
+        ref = AdapterRef.in_memory(version, await asyncio.to_thread(trainer.share_weights, version))
+    else:
+        ref = await asyncio.to_thread(store.publish, version, trainer.save_adapter)
     await versions.load_on_engines(ref)
     versions.adapters[version] = ref
 

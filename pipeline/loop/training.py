@@ -167,6 +167,7 @@ class Training:
             await self.until_stopped(self.evaluator.join())
         # the end of the run, or a stop request: the state to continue from
         await self.checkpoint(last, final=True)
+        await self.publish_files(version)
 
     def _checks_at(self, step: int) -> bool:
         """Whether `step` starts with a log-prob check: the run's first step, then every logprob_check_every."""
@@ -212,7 +213,10 @@ class Training:
         trainer call, of the publish and, within it, of the trainer writing the version's files.
 
         A trainer in its own process steps and writes the version into the publish's temporary
-        directory in one round trip (`step_and_save`); its version must then be the next one."""
+        directory in one round trip (`step_and_save`); its version must then be the next one.
+        With trainer.publish = "memory" the version is shared in the trainer's GPU memory instead."""
+        if self.cfg.trainer.publish == "memory":
+            return self._step_and_share(batch)
         merged = getattr(self.trainer, "step_and_save", None)
         if merged is None:
             t0 = time.monotonic()
@@ -247,6 +251,37 @@ class Training:
         # the call held the step and the save: the save is the publish's, as in the two-call path
         return stats, ref, {"time/trainer_call_s": call_s - save_s,
                             "time/publish_s": time.monotonic() - t0 - call_s + save_s, "time/save_s": save_s}
+
+    def _step_and_share(self, batch: Batch) -> tuple[TrainStats, AdapterRef, dict[str, float]]:
+        """A training step, then its version shared in the trainer's GPU memory (trainer.publish =
+        "memory"): nothing is written. The trainer may let go of every version older than the one the
+        engines serve now (a restarted engine loads that one; the served version only moves up)."""
+        keep_from = self.versions.served
+        merged = getattr(self.trainer, "step_and_share", None)
+        t0 = time.monotonic()
+        if merged is not None:
+            stats, payload, share_s = merged(batch, keep_from)
+            call_s = time.monotonic() - t0 - share_s
+        else:
+            stats = self.trainer.step(batch)
+            t_share = time.monotonic()
+            payload = self.trainer.share_weights(keep_from)
+            call_s, share_s = t_share - t0, time.monotonic() - t_share
+        crash_point("step.after_train")
+        if payload.get("version") != stats.version:
+            raise TrainerError(f"the trainer's step {batch.step} made version {stats.version} but shared the "
+                               f"weights of version {payload.get('version')}")
+        return stats, AdapterRef.in_memory(stats.version, payload), {
+            "time/trainer_call_s": call_s, "time/publish_s": share_s, "time/save_s": share_s}
+
+    async def publish_files(self, version: int) -> None:
+        """trainer.publish = "memory": the run's last version written to the store as well, so the run
+        ends with its trained model on disk as a run publishing files does."""
+        if self.cfg.trainer.publish != "memory" or version == 0 or version in self.store.versions():
+            return
+        ref = await self._trainer_call(f"the publish of version {version} to {self.store.root}",
+                                       self.store.publish, version, self.trainer.save_adapter)
+        log.info("weights_published", version=version, path=ref.path)
 
     async def checkpoint(self, step: int, *, final: bool = False) -> None:
         """Write the checkpoint of `step`: trainer state and the ledger, with the log rows it covers.

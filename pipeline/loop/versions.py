@@ -235,8 +235,10 @@ class Versions:
             ref = self.adapters[newest]
             t_woke = time.monotonic()
             try:
-                # the directory is checked against its manifest before any engine reads it
-                await asyncio.to_thread(self.store.verify_dir, ref.path)
+                # a directory is checked against its manifest before any engine reads it (a version in
+                # memory is checked against its checksum by each engine that opens it)
+                if ref.path is not None:
+                    await asyncio.to_thread(self.store.verify_dir, ref.path)
                 t_verified = time.monotonic()
                 await self.swap.before_load(newest)
                 t_loading = time.monotonic()

@@ -53,7 +53,7 @@ import contextlib
 import math
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import structlog
@@ -105,6 +105,8 @@ class PolicyTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.pad_id = 0
         self.writer = StateWriter()  # a checkpoint's state written behind the steps (begin_save_state)
+        # trainer.publish = "memory": version -> its packed weights, kept while an engine may load it
+        self.shared: dict[int, Any] = {}
 
     def setup(self) -> None:
         """Load the base model and build the policy on it, as the update strategy says (blocking)."""
@@ -385,6 +387,26 @@ class PolicyTrainer:
         strategy publishes it (pipeline.trainer.update); of trainer ranks, rank 0 writes."""
         assert self.model is not None, "call setup() first"
         self.strategy.publish(self.model, Path(directory), self.collectives)
+
+    def share_weights(self, keep_from: int) -> dict[str, Any]:
+        """The current version's whole weights packed into a GPU buffer of their own, as the plain
+        data another process on this GPU opens it from (`pipeline.engines.shared_weights.share`).
+
+        The trainer keeps each buffer it shared until a later call's `keep_from` (the oldest version
+        an engine may still load: the one they serve) passes its version; CUDA IPC memory stays the
+        producer's, so a buffer released early would leave an engine nothing to load."""
+        from pipeline.engines import shared_weights
+
+        assert self.model is not None, "call setup() first"
+        if self.strategy.name != "full" or self.collectives.sharded:
+            raise TrainerError('trainer.publish = "memory" needs trainer.update = "full" and one trainer process')
+        for version in [v for v in self.shared if v < keep_from]:
+            del self.shared[version]
+        if self.version not in self.shared:
+            self.shared[self.version] = shared_weights.pack(self.version, self.model.named_parameters())
+        if self.cfg.device.startswith("cuda"):
+            torch.cuda.ipc_collect()  # the memory of buffers released above, once no engine holds them open
+        return shared_weights.share(self.shared[self.version])
 
     # ------------------------------------------------------------------ state (checkpoint and resume)
 

@@ -27,7 +27,9 @@ Invariants:
   It exits at once when its parent dies, whatever it was doing.
 - Adapters and trainer state still go through the filesystem: `save_adapter(dir)`,
   `save_state(dir)` and `load_state(dir)` make the child write or read them. `step_and_save`
-  is a step and the save of the version it made in one round trip (the pipeline's publish).
+  is a step and the save of the version it made in one round trip (the pipeline's publish);
+  `step_and_share` is a step and its version shared in the child's GPU memory (trainer.publish =
+  "memory"), whose buffer the child keeps.
 - `version`, `skipped_steps` and `consecutive_skips` mirror the child's after every call that
   changes them (setup, step, step_and_save, load_state).
 - With a `channel`, the child reads and answers its requests through `channel(pipe, trainer)`
@@ -59,7 +61,7 @@ from pipeline.trainer.log_shipping import forward_events, log_to_parent
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
 
-_MIRRORED = ("setup", "step", "step_and_save", "load_state")  # calls that answer with the trainer's counters too
+_MIRRORED = ("setup", "step", "step_and_save", "step_and_share", "load_state")  # calls that answer with the trainer's counters too
 FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
 
 
@@ -171,13 +173,22 @@ def _step_and_save(trainer: Any, batch: Batch, directory: Path) -> tuple[TrainSt
     return stats, time.monotonic() - t0
 
 
+def _step_and_share(trainer: Any, batch: Batch, keep_from: int) -> tuple[TrainStats, dict[str, Any], float]:
+    """A step, then the version it made shared in GPU memory (`PolicyTrainer.share_weights`): the
+    stats, the payload and the share's seconds."""
+    stats = trainer.step(batch)
+    t0 = time.monotonic()
+    payload = trainer.share_weights(keep_from)
+    return stats, payload, time.monotonic() - t0
+
+
 def _torch_threads(trainer: Any) -> int:
     import torch
 
     return torch.get_num_threads()
 
 
-_CHILD_CALLS = {"step_and_save": _step_and_save, "torch_threads": _torch_threads}  # the process's, not the trainer's
+_CHILD_CALLS = {"step_and_save": _step_and_save, "step_and_share": _step_and_share, "torch_threads": _torch_threads}  # the process's, not the trainer's
 
 
 def priority_of(cfg: TrainerConfig) -> tuple[int, bool]:
@@ -355,6 +366,16 @@ class ProcessTrainer:
         (stats, save_s), self.version, self.skipped_steps, self.consecutive_skips = self._call(
             "step_and_save", batch, Path(directory))
         return stats, save_s
+
+    def step_and_share(self, batch: Batch, keep_from: int) -> tuple[TrainStats, dict[str, Any], float]:
+        """`step(batch)`, then `share_weights(keep_from)`, in one round trip to the child: the stats, the
+        payload (plain data; the buffer stays the child's) and the seconds the share took there."""
+        (stats, payload, share_s), self.version, self.skipped_steps, self.consecutive_skips = self._call(
+            "step_and_share", batch, keep_from)
+        return stats, payload, share_s
+
+    def share_weights(self, keep_from: int) -> dict[str, Any]:
+        return self._call("share_weights", keep_from)
 
     def recompute_logprobs(self, groups: Sequence[RolloutGroup]) -> list[list[np.ndarray]]:
         return self._call("recompute_logprobs", list(groups))

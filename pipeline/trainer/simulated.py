@@ -4,6 +4,8 @@ Invariants:
 - Each step takes `step_s` and counts the version up by one; nothing is learnt.
 - A version is a minimal valid directory of its update mode ("lora": an adapter, "full": a
   model), so the adapter store and engines of either kind exercise their real publish and load paths.
+- With trainer.publish = "memory" a version is a payload naming it (`share_weights`), kept the
+  way PolicyTrainer keeps its buffers, so the loop's hand-over and its lifetimes are exercised.
 - Its state is trainer.json alone (pipeline.trainer.state's simulated format); a real trainer's
   state is refused, as it refuses this one.
 """
@@ -33,6 +35,7 @@ class SimulatedTrainer:
         self.version = 0
         self.skipped_steps = 0
         self.consecutive_skips = 0
+        self.shared: dict[int, dict] = {}  # trainer.publish = "memory": version -> payload kept for the engines
 
     def setup(self) -> None:
         return None
@@ -62,6 +65,17 @@ class SimulatedTrainer:
             ("adapter_model.safetensors", "adapter_config.json")
         save_file({"version": np.array([self.version], dtype=np.int64)}, str(Path(directory) / weights))
         (Path(directory) / config).write_text(json.dumps({"simulated": True, "version": self.version}))
+
+    def share_weights(self, keep_from: int) -> dict:
+        """trainer.publish = "memory": the version's payload as PolicyTrainer.share_weights gives it
+        (no buffer: a checksum naming the version), kept until a later `keep_from` passes it."""
+        if self.update != "full":
+            raise ConfigError('trainer.publish = "memory" needs trainer.update = "full"')
+        for version in [v for v in self.shared if v < keep_from]:
+            del self.shared[version]
+        payload = self.shared.setdefault(self.version, {"version": self.version, "checksum": f"{self.version:032x}",
+                                                        "simulated": True})
+        return dict(payload)
 
     def save_state(self, directory: Path) -> None:
         """trainer.json with the version (and step_s), fsynced: all the state this trainer has."""

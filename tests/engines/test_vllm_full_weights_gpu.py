@@ -179,8 +179,38 @@ def test_a_directory_without_weights_is_refused_and_the_old_weights_serve_on(env
     assert d[1] < VLLM_MEAN_ABS_DLOGPROB and d[1] < VERSION_SEPARATION * min(d[0], d[2]), d
 
 
-def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env, tmp_path: Path) -> None:
-    """A whole run with trainer.update = "full": vLLM and the trainer share GPU 0, K = 1.
+def shared_version(version: int, model: Any) -> tuple[Any, AdapterRef]:
+    """`model`'s weights packed on cuda:0 by this process and shared as trainer.publish = "memory"
+    shares them: (the packed buffer, which must outlive the load; the ref)."""
+    from pipeline.engines import shared_weights
+
+    packed = shared_weights.pack(version, model.to("cuda:0").named_parameters())
+    return packed, AdapterRef.in_memory(version, shared_weights.share(packed))
+
+
+def test_a_version_shared_in_gpu_memory_is_the_one_sampled(env: Env) -> None:
+    """Version 1's weights through CUDA IPC (not its directory): the engine samples version 1 after
+    the load, not version 2 it held before, and a buffer whose checksum is not the producer's is refused."""
+    packed, ref = shared_version(1, perturbed_model(env.model_path, seed=1001))  # version 1's weights
+    env.run(env.engine.load_adapter(env.refs[2]))
+    env.run(env.engine.load_adapter(ref))
+    assert env.engine.loaded_versions == (1,)
+    gens = [env.run(env.engine.generate(group(7000 + i, prompt_seed=i), ref)) for i in range(4)]
+    d = {c: float(np.concatenate([abs_dlogprob(g, env.recompute(c, g)) for g in gens]).mean()) for c in (0, *VERSIONS)}
+    assert d[1] < VLLM_MEAN_ABS_DLOGPROB and d[1] < VERSION_SEPARATION * min(d[0], d[2]), d
+
+    bad = AdapterRef.in_memory(3, {**ref.shared, "version": 3, "checksum": "0" * 32})
+    with pytest.raises(AdapterCorruptError, match="checksum"):
+        env.run(env.engine.load_adapter(bad))
+    env.run(env.engine.load_adapter(env.refs[2]))  # and the engine loads on
+    assert env.engine.loaded_versions == (2,)
+    del packed
+
+
+@pytest.mark.parametrize("publish", ["files", "memory"])
+def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env, tmp_path: Path, publish: str) -> None:
+    """A whole run with trainer.update = "full": vLLM and the trainer share GPU 0, K = 1, each version
+    through files or through the trainer's GPU memory (trainer.publish).
 
     Every check (each second step) recomputes the trainer's log-probs of groups under the version
     that sampled them; if the engine had kept older weights, they would disagree more and more.
@@ -194,7 +224,8 @@ def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env,
         "engine.devices": ["cuda:0"], "trainer.device": "cuda:0", "trainer.update": "full", "trainer.lr": 1e-4,
         "engine.vllm.enforce_eager": True, "engine.vllm.gpu_memory_utilization": 0.3,
         "engine.vllm.max_model_len": 512, "pipeline.steps": steps, "pipeline.batch_groups": 8,
-        "pipeline.max_staleness": 1, "pipeline.logprob_check_every": 2, "sampling.n": 4, "log.progress": False})
+        "pipeline.max_staleness": 1, "pipeline.logprob_check_every": 2, "sampling.n": 4, "log.progress": False,
+        "trainer.publish": publish})
     p = Pipeline(cfg, console=False)
     summary = env.run(p.run())
     assert summary["error"] is None and summary["accounting_ok"] and summary["steps"] == steps, summary
@@ -205,11 +236,13 @@ def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env,
     assert max(checks) < VLLM_MEAN_ABS_DLOGPROB, checks
     published = sorted(Path(tmp_path / "run" / "adapters").glob("v*/model*.safetensors"))
     assert published, "full-weight versions are model directories"
+    if publish == "memory":  # no version went through the disk but the last, written at the end
+        assert [d.parent.name[:7] for d in published] == [f"v{steps:06d}"], published
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "vllm_full_weights_run.json").write_text(json.dumps({
-            "summary": summary, "checks_mean_abs_diff": checks,
+        (Path(out) / f"vllm_full_weights_run_{publish}.json").write_text(json.dumps({
+            "summary": summary, "checks_mean_abs_diff": checks, "publish_s": [r.get("time/publish_s") for r in p.metrics_rows],
             "drain_s": [r.get("adapter/drain_s") for r in p.metrics_rows],
             "publish_to_loaded_s": [r.get("adapter/publish_to_loaded_s") for r in p.metrics_rows],
         }, indent=1, default=str) + "\n")

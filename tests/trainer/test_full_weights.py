@@ -11,10 +11,16 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_accounted, sim_config
-from test_orchestrator import PROMPTS, run
+from test_orchestrator import PROMPTS, length_reward, run
 
-from pipeline.errors import ConfigError
+from pipeline.engines.simulated import SimulatedEngine
+from pipeline.errors import AdapterCorruptError, ConfigError
+from pipeline.loop.orchestrator import Pipeline
+from pipeline.loop.preflight import check_memory_publish, preflight
 from pipeline.observe.metrics import read_jsonl
+from pipeline.store.weights import AdapterStore
+from pipeline.trainer.simulated import SimulatedTrainer
+from pipeline.types import AdapterRef
 
 
 @pytest.mark.parametrize("K,latency,step_s", [(0, 0.002, 0.0), (1, 0.003, 0.004), (2, 0.001, 0.006), (3, 0.004, 0.0)])
@@ -64,3 +70,105 @@ def test_a_restarted_full_weight_engine_serves_the_served_version_again(tmp_path
     assert sum(summary["engine_restarts"].values()) >= 1
     assert summary["groups_failed"] == {}, summary
     assert_accounted(p, summary)
+
+
+# --------------------------------------------------------------------------- trainer.publish = "memory"
+
+
+def refuse_versions_not_kept(monkeypatch, trainer: SimulatedTrainer) -> list[AdapterRef]:
+    """Full-weight simulated engines that refuse a version handed over in memory whose payload the
+    trainer no longer keeps (a real engine would find the buffer gone); returns what they load."""
+    loads: list[AdapterRef] = []
+    load = SimulatedEngine.load_adapter
+
+    async def checked(self: SimulatedEngine, adapter: AdapterRef) -> None:
+        if adapter.version:
+            if adapter.shared is None or adapter.version not in trainer.shared:
+                raise AdapterCorruptError(f"{self.name}: version {adapter.version} is not kept by the trainer "
+                                          f"(it keeps {sorted(trainer.shared)})")
+            assert adapter.shared["version"] == adapter.version and adapter.path is None
+        loads.append(adapter)
+        await load(self, adapter)
+
+    monkeypatch.setattr(SimulatedEngine, "load_adapter", checked)
+    return loads
+
+
+class ServedKept(SimulatedTrainer):
+    """Notes each share after which the trainer no longer keeps the version the engines serve (an
+    engine restarted then would have nothing to load)."""
+
+    pipeline: Pipeline
+    served_not_kept: list[tuple[int, int, list[int]]] = []
+
+    def share_weights(self, keep_from: int) -> dict:
+        payload = super().share_weights(keep_from)
+        served = self.pipeline.versions.served
+        if served and served not in self.shared:
+            self.served_not_kept = [*self.served_not_kept, (keep_from, served, sorted(self.shared))]
+        return payload
+
+
+def memory_config(tmp_path, K: int, steps: int, **extra):
+    return sim_config(tmp_path, K=K, B=3, n=2, steps=steps, latency=0.002, concurrency=2,
+                      **{"trainer.update": "full", "trainer.publish": "memory", "engine.restart_backoff_s": 0.01,
+                         **extra})
+
+
+@pytest.mark.parametrize("K", [0, 1, 2])
+def test_a_memory_run_hands_every_version_over_in_memory_and_writes_only_its_last(tmp_path, monkeypatch, K):
+    """trainer.publish = "memory": every version reaches the engines as the trainer's payload while the
+    trainer still keeps it (across an engine's restart too), no version is written but the last, and
+    the trainer keeps no more than the versions from the served one on."""
+    trainer = ServedKept(step_s=0.004, update="full")
+    loads = refuse_versions_not_kept(monkeypatch, trainer)
+    cfg = memory_config(tmp_path, K, steps=10, **{"engine.devices": ["cpu", "cpu"], "engine.simulated.die_after": 15})
+    p = trainer.pipeline = Pipeline(cfg, prompts=PROMPTS * 2, reward=length_reward, trainer=trainer, tokenizer=False,
+                                    console=False)
+    summary = p.run_sync()
+    assert trainer.served_not_kept == [], trainer.served_not_kept
+    assert summary["error"] is None and summary["steps"] == 10, summary
+    assert summary["groups_failed"] == {} and summary["adapter_load_failures"] == {}, summary
+    assert sum(summary["engine_restarts"].values()) >= 1, summary
+    assert_accounted(p, summary)
+    loaded = {ref.version for ref in loads if ref.version}
+    assert loaded and max(loaded) >= 10 - K - 1, loaded
+    store = AdapterStore(p.run_dir / "adapters", base_model="", kind="full", readonly=True)
+    assert store.versions() == [10]  # the run's trained model, on disk at the end
+    # what it keeps: the versions from the one served at its last step on (the newest K + 2 at most)
+    kept = sorted(trainer.shared)
+    assert kept == list(range(kept[0], 11)) and len(kept) <= K + 2, kept
+    rows = read_jsonl(p.run_dir / "metrics.jsonl")
+    assert all(r["time/publish_s"] >= 0 for r in rows)
+
+
+def test_a_memory_run_resumes_from_its_checkpoint(tmp_path):
+    """The checkpoint's version is handed over in memory again on resume; the store keeps the last one only."""
+    cfg = memory_config(tmp_path, 1, steps=4, **{"pipeline.checkpoint_every": 2})
+    p, summary = run(cfg, prompts=PROMPTS * 2)
+    assert summary["error"] is None and summary["steps"] == 4, summary
+    p2, summary2 = run(memory_config(tmp_path, 1, steps=7, **{"pipeline.checkpoint_every": 2}), prompts=PROMPTS * 2,
+                       resume=True)
+    assert summary2["error"] is None and summary2["steps"] == 7, summary2
+    assert_accounted(p2, summary2)
+    store = AdapterStore(p2.run_dir / "adapters", base_model="", kind="full", readonly=True)
+    assert store.versions() == [7]
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"trainer.update": "lora"}, 'needs trainer.update = "full", got \'lora\''),
+    ({"engine.kind": "transformers"}, 'needs engine.kind = "vllm", got \'transformers\''),
+    ({"trainer.kind": "peft", "trainer.device": "cpu"}, 'trainer.device must be a GPU \\("cuda:N"\\), got \'cpu\''),
+    ({"trainer.kind": "peft", "trainer.devices": ["cpu", "cpu"]}, "one trainer process, not trainer ranks"),
+])
+def test_memory_publish_without_what_it_needs_is_refused_naming_the_key(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        preflight(memory_config(tmp_path, 1, steps=2, **override))
+
+
+def test_memory_publish_refuses_an_engine_on_another_gpu_than_the_trainer(tmp_path):
+    cfg = memory_config(tmp_path, 1, steps=2, **{"engine.kind": "vllm", "trainer.kind": "peft",
+                                                 "trainer.device": "cuda:0", "engine.devices": ["cuda:0", "cuda:1"]})
+    with pytest.raises(ConfigError, match='engine.devices\\[1\\] = "cuda:1" is not trainer.device = "cuda:0"'):
+        check_memory_publish(cfg, builds_engines=True, builds_trainer=True)
+    check_memory_publish(cfg, builds_engines=False, builds_trainer=True)  # engines of the caller's own: theirs to match

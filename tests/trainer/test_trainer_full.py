@@ -329,3 +329,36 @@ def test_the_kl_reference_of_full_weights_is_the_frozen_base_model(model_dir: Pa
     got = trainer._fixed_logprobs(rows, reference=True)[0][len(group.prompt.token_ids):].numpy()
     np.testing.assert_allclose(got, _logprobs(base, group)[0], rtol=1e-5, atol=1e-6)
     assert not np.allclose(got, _logprobs(trainer.model, group)[0], atol=1e-4)  # the policy moved, not it
+
+
+# --------------------------------------------------------------------------- trainer.publish = "memory"
+
+
+def test_shared_versions_are_the_weights_of_their_step_and_kept_until_engines_pass_them(model_dir, monkeypatch):
+    """share_weights packs the version just trained (a copy later steps leave alone) and keeps each
+    packed version until a later call's keep_from passes it. CUDA IPC needs a GPU: `share` is
+    stood in for by the packed buffer itself."""
+    from pipeline.engines import shared_weights
+
+    monkeypatch.setattr(shared_weights, "share", lambda packed: {"version": packed.version, "packed": packed})
+    trainer = _trainer(model_dir)
+    trainer.setup()
+    payloads = {}
+    for step, keep_from in ((1, 0), (2, 1), (3, 1), (4, 3)):
+        trainer.step(_batch(step))
+        payloads[step] = trainer.share_weights(keep_from)
+        assert payloads[step]["version"] == trainer.version == step
+        assert sorted(trainer.shared) == [v for v in range(keep_from, step + 1) if v >= 1]
+        now = dict(trainer.model.named_parameters())
+        for name, tensor in shared_weights.unpack(payloads[step]["packed"].flat, payloads[step]["packed"].layout):
+            assert torch.equal(tensor, now[name].detach()), name
+    # version 3's buffer still holds version 3 after step 4 moved the weights
+    before = {n: t.clone() for n, t in shared_weights.unpack(payloads[3]["packed"].flat, payloads[3]["packed"].layout)}
+    assert any(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
+    assert trainer.shared[3] is payloads[3]["packed"]
+    # a second call for the same version shares the same buffer, not a second copy
+    assert trainer.share_weights(3)["packed"] is payloads[4]["packed"]
+    lora = _trainer(model_dir, update="lora")
+    lora.setup()
+    with pytest.raises(TrainerError, match='trainer.update = "full"'):
+        lora.share_weights(0)
