@@ -68,7 +68,8 @@ How the figures are measured:
   taking gen_ratio * train_step_s, and the trainer sleeps train_step_s per step.
 
 Writes <out>/throughput_vs_staleness_<engine>_<shape>_<hardware>.json and .png (one pair per
-ratio with --ratios; "_full" before the hardware with --update full), each as its sweep ends.
+ratio with --ratios; "_full" before the hardware with --update full, "_full_memory" with
+--set trainer.publish=memory too), each as its sweep ends.
 --compare-in-process writes each engine's pair, then one JSON holding both sweeps and the table
 per K, <engine> = vllm_server_vs_in_process.
 """
@@ -223,7 +224,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error('--engine vllm_server takes LoRA updates only (engine.kind = "vllm_server" loads no full weights)')
     try:
         args.set_overrides = {".".join(key): value for key, value in map(parse_override, args.set)}
-        load_config(None, args.set_overrides)
+        load_config(None, {"trainer.update": args.update, **args.set_overrides})  # as the runs will read them
     except ConfigError as e:
         p.error(f"--set: {e}")
     return args
@@ -354,6 +355,8 @@ def result_name(w: Workload, args: argparse.Namespace, hw: dict[str, Any], kind:
     """The JSON/PNG file name: the benchmark, the workload (its engine: `kind`, default the workload's),
     what changes its figures, the hardware."""
     full = "_full" if args.update == "full" else ""
+    if args.set_overrides.get("trainer.publish") == "memory":  # versions through GPU memory, not files
+        full += "_memory"
     sim_trainer = "_simtrainer" if w.kind != "sim" and args.trainer == "sim" else ""
     # a simulated sweep at another step time is another result, not a rerun of the default's
     step_s = f"_step{args.train_step_s:g}s" \
