@@ -109,8 +109,10 @@ class _MergedTrainer:
 def _publishing(trainer: object, root: Path) -> Training:
     from pipeline.store.weights import AdapterStore
 
+    from pipeline.config.schema import RunConfig
+
     training = Training.__new__(Training)
-    training.trainer, training.store = trainer, AdapterStore(root, sync=False)
+    training.cfg, training.trainer, training.store = RunConfig(), trainer, AdapterStore(root, sync=False)
     return training
 
 
