@@ -171,18 +171,23 @@ class SharedWeightsWorker:
     model_runner: Any  # vLLM's GPUModelRunner, set by the worker this class is mixed into
 
     def load_shared_weights(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """Reload the model from the shared buffer; refuse (ValueError) bytes that do not check out."""
+        """Reload the model from the shared buffer; refuse (ValueError) bytes that do not check out.
+
+        Whatever happens, this process lets go of the buffer before returning or raising (a refusal's
+        traceback keeps this frame, and so would keep the producer's memory mapped)."""
         t0 = time.perf_counter()
         flat = open_shared(payload)
         weights = unpack(flat, Layout.of(payload["layout"]))
-        seen = checksum(flat)
-        if seen != payload["checksum"]:
-            raise ValueError(f"version {payload['version']}: the shared buffer's checksum is {seen}, "
-                             f"the producer's {payload['checksum']}: its memory changed after packing")
-        t_checked = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        if flat.is_cuda:
-            torch.cuda.synchronize()
-        del weights, flat
+        try:
+            seen = checksum(flat)
+            if seen != payload["checksum"]:
+                raise ValueError(f"version {payload['version']}: the shared buffer's checksum is {seen}, "
+                                 f"the producer's {payload['checksum']}: its memory changed after packing")
+            t_checked = time.perf_counter()
+            self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+            if flat.is_cuda:
+                torch.cuda.synchronize()
+        finally:
+            del weights, flat
         return {"version": payload["version"], "checksum": seen, "open_check_s": t_checked - t0,
                 "reload_s": time.perf_counter() - t_checked}

@@ -97,6 +97,35 @@ def test_the_worker_refuses_a_buffer_changed_after_packing_and_reloads_nothing(
     assert worker.model_runner.loads == []
 
 
+@pytest.mark.parametrize("failure", ["checksum", "reload"])
+def test_a_failed_load_lets_go_of_the_buffer_it_opened(monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
+    """The exception's traceback (kept by whoever handles it) holds no view of the producer's memory:
+    with CUDA IPC the producer's memory stays mapped while any tensor on its storage lives."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    packed = sw.pack(7, _named())
+    payload = _payload(packed)
+    opened: list[StorageWeakRef] = []
+
+    def open_copy(payload: dict[str, Any]) -> torch.Tensor:
+        flat = packed.flat.clone()
+        opened.append(StorageWeakRef(flat.untyped_storage()))
+        return flat
+
+    worker = _worker(monkeypatch, packed.flat)
+    monkeypatch.setattr(sw, "open_shared", open_copy)
+    if failure == "checksum":
+        payload["checksum"] = "0" * 32
+    else:
+        def broken(**kwargs: Any) -> None:
+            next(kwargs.pop("weights_iterator"))  # a loader that read one tensor and let go, then failed
+            raise RuntimeError("vLLM failed halfway")
+        worker.model_runner.reload_weights = broken
+    with pytest.raises((ValueError, RuntimeError)) as caught:
+        worker.load_shared_weights(payload)
+    assert caught.value.__traceback__ is not None and opened and opened[0].expired()
+
+
 def test_a_layout_that_leaves_the_buffer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     packed = sw.pack(6, _named())
     payload = _payload(packed)
