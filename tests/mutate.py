@@ -36,11 +36,12 @@ TARGETS = {
     "loop/scoring": ["tests/loop/test_scoring.py", "tests/data/test_rewards.py", "tests/loop/test_episodes.py",
                      "tests/loop/test_version_guard.py"],
     "loop/training": ["tests/loop/test_training.py", "tests/loop/test_orchestrator.py",
-                      "tests/loop/test_checkpoints_behind.py"],
+                      "tests/loop/test_checkpoints_behind.py", "tests/trainer/test_full_weights.py"],
     # what a checkpoint holds of the trainer: a wrong byte there resumes a different policy
     "trainer/state": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_full.py",
                       "tests/loop/test_checkpoints_behind.py"],
-    "trainer/policy": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_learning.py"],
+    "trainer/policy": ["tests/trainer/test_trainer.py", "tests/trainer/test_trainer_learning.py",
+                       "tests/trainer/test_trainer_full.py"],
     # the trainer split's parts of a step: the rows and micro-batches, and the LoRA / full-weight update
     "trainer/rows": ["tests/trainer/test_trainer_learning.py", "tests/trainer/test_trainer_mask.py",
                      "tests/trainer/test_trainer.py"],
