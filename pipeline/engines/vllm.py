@@ -27,9 +27,10 @@ Invariants (beyond the Engine protocol's):
   clears the prefix cache: blocks computed with the old weights must not be reused), reloads the
   weights in place from v's directory (`reload_weights` on the workers, vLLM's own loader), or
   from the trainer's GPU memory for a version shared there (`AdapterRef.shared`: the worker
-  extension pipeline.engines.shared_weights checks its checksum first), and resumes. `generate` for any version but the one loaded (or while a load is under way) raises
-  GenerationError, so a group is never sampled with other weights than its label. A failed
-  reload leaves no version loaded until a load succeeds (the weights may be half-replaced).
+  extension pipeline.engines.shared_weights checks its checksum first), and resumes. `generate`
+  for any version but the one loaded (or while a load is under way) raises GenerationError, so a
+  group is never sampled with other weights than its label. A failed reload leaves no version
+  loaded until a load succeeds (the weights may be half-replaced).
 - Cancelling `generate` aborts the vLLM request: `AsyncLLM.generate` aborts on CancelledError
   once its request is queued; this engine aborts again by request id, which also covers a cancel
   that lands while vLLM is still adding the n child requests (before `generate` can abort them).
@@ -410,12 +411,13 @@ class VLLMEngine:
             max_cudagraph_capture_size=self.cfg.max_cudagraph_capture_size or self.cfg.max_num_seqs,
             # full weights: the worker can also load a version from the trainer's GPU memory
             # (trainer.publish = "memory"; pipeline.engines.shared_weights)
-            **({"worker_extension_cls": SHARED_WEIGHTS_WORKER} if self.full_weights else {"enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
-                                             "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
-                                             # one graph per size, with LoRA: vLLM would capture each size again
-                                             # without it, for batches on no adapter, which a run has only
-                                             # before its first version; the capture costs set-up time
-                                             "compilation_config": {"cudagraph_specialize_lora": False}}),
+            **({"worker_extension_cls": SHARED_WEIGHTS_WORKER} if self.full_weights else {
+                "enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
+                "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
+                # one graph per size, with LoRA: vLLM would capture each size again without it, for
+                # batches on no adapter, which a run has only before its first version; the capture
+                # costs set-up time
+                "compilation_config": {"cudagraph_specialize_lora": False}}),
             # raw == processed under the on-policy settings; raw is the path measured on our host.
             logprobs_mode="raw_logprobs" if on_policy else "processed_logprobs",
             disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused

@@ -47,7 +47,8 @@ def check_memory_publish(cfg: RunConfig, *, builds_engines: bool, builds_trainer
         return
     why = 'trainer.publish = "memory" hands each version to vLLM through the trainer\'s GPU memory'
     if builds_engines and cfg.engine.kind not in ("vllm", "simulated"):
-        raise ConfigError(f'{why}: it needs engine.kind = "vllm", got {cfg.engine.kind!r}; use trainer.publish = "files"')
+        raise ConfigError(f'{why}: it needs engine.kind = "vllm", got {cfg.engine.kind!r}; '
+                          'use trainer.publish = "files"')
     if builds_trainer and cfg.trainer.kind == "peft":
         if cfg.trainer.devices:
             raise ConfigError(f"{why}: it needs one trainer process, not trainer ranks (trainer.devices = "
