@@ -89,8 +89,11 @@ async def engine_alone(engine: Any, prompts: Sequence[Prompt], n: int, max_new_t
 
 
 def time_trainer(trainer: Any, groups: Sequence[RolloutGroup], store_root: Path, repeats: int,
-                 update: str = "lora") -> dict[str, float]:
-    """Median seconds of one trainer step and of publishing its adapter (blocking; after one warm-up)."""
+                 update: str = "lora", publish: str = "files") -> dict[str, float]:
+    """Median seconds of one trainer step and of publishing its adapter (blocking; after one warm-up).
+
+    publish: trainer.publish; with "memory" the publish timed is the version's share in GPU memory,
+    and the last version is also written to the store untimed (what --trainer sim replays)."""
     trainer.setup()
     store = AdapterStore(store_root, kind=update)
     steps, publishes = [], []
@@ -100,8 +103,13 @@ def time_trainer(trainer: Any, groups: Sequence[RolloutGroup], store_root: Path,
         t0 = time.perf_counter()
         stats = trainer.step(batch)
         t1 = time.perf_counter()
-        store.publish(stats.version, trainer.save_adapter)
+        if publish == "memory":
+            trainer.share_weights(stats.version)
+        else:
+            store.publish(stats.version, trainer.save_adapter)
         t2 = time.perf_counter()
+        if publish == "memory" and i == repeats:
+            store.publish(stats.version, trainer.save_adapter)
         if i > 0:
             steps.append(t1 - t0)
             publishes.append(t2 - t1)
@@ -257,7 +265,8 @@ class SimWorkload(Workload):
         rng = np.random.default_rng(a.seed)
         groups = [RolloutGroup(g, rng.random(a.group_size), time.monotonic()) for g in gens]
         tr = await asyncio.to_thread(time_trainer, SimulatedTrainer(a.train_step_s, update=a.update), groups,
-                                     scratch / "store", a.repeats, a.update)
+                                     scratch / "store", a.repeats, a.update,
+                                     a.set_overrides.get("trainer.publish", "files"))
         tokens = sum(g.num_tokens for g in gens)
         return {"t_gen_s": t_gen, "t_gen_all_s": times[1:], "gen_tokens_per_s": tokens / t_gen,
                 "groups": B, "two_batches_s": t_two, **tr}
@@ -388,7 +397,7 @@ class ModelWorkload(Workload):
         self.store_root = scratch / "store"
         try:
             tr = await asyncio.to_thread(time_trainer, trainer, groups, self.store_root, self.args.repeats,
-                                         self.args.update)
+                                         self.args.update, cfg.trainer.publish)
         finally:
             del trainer
             free_memory()

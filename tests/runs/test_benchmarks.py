@@ -910,3 +910,19 @@ def test_vs_trl_races_trl_to_an_accuracy_on_the_same_model(tmp_path: Path, quick
     assert set(table) == {"K0-tis", "K1-tis", "trl"} and "time_ratio_to_trl" in table["K1-tis"]
     # the same warm-started model on both sides: their first evals sample one model
     assert abs(rec["trl_runs"][0]["first"] - rec["runs"][0]["first"]) < 0.1
+
+
+def test_the_standalone_trainer_timing_shares_in_memory_when_the_runs_do(tmp_path: Path) -> None:
+    """--set trainer.publish=memory: the publish timed before a sweep is the version's share, not a
+    write, and the store still gets the last version (what --trainer sim replays)."""
+    from pipeline.store.weights import AdapterStore
+    from pipeline.trainer.simulated import SimulatedTrainer
+
+    workloads = load_part("workloads")
+    trainer = SimulatedTrainer(update="full")
+    workloads.time_trainer(trainer, [], tmp_path / "store", 3, "full", "memory")
+    assert sorted(trainer.shared) == [4]  # each version was shared, the older ones let go
+    assert AdapterStore(tmp_path / "store", kind="full").versions() == [4]
+    files = SimulatedTrainer(update="full")
+    workloads.time_trainer(files, [], tmp_path / "files", 3, "full")
+    assert files.shared == {} and AdapterStore(tmp_path / "files", kind="full").versions() == [1, 2, 3, 4]
