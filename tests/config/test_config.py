@@ -375,6 +375,8 @@ def test_every_example_config_loads_and_says_what_it_sets(path: Path) -> None:
         assert cfg.engine.kind == "vllm" and all(d.startswith("cuda:") for d in cfg.engine.devices)
     if "full_weights" in path.name:
         assert cfg.trainer.update == "full"
+    if "one_gpu_full_weights" in path.name:  # one GPU: the versions go through its memory
+        assert cfg.trainer.publish == "memory" and cfg.engine.devices == (cfg.trainer.device,)
     if "trainer_ranks" in path.name:
         assert len(cfg.trainer.devices) > 1 and not set(cfg.trainer.devices) & set(cfg.engine.devices)
     if "launched" in path.name:
