@@ -3,6 +3,7 @@
     python benchmarks/step_cost.py                  # the micro workload, K = 0 and 1, LoRA r16
     python benchmarks/step_cost.py --update full    # full-weight versions
     python benchmarks/step_cost.py --steps 80 --ks 0 --tag _after
+    python benchmarks/step_cost.py --publish memory  # each adapter handed to the engine in the step's reply
 
 The workload is issue 20's: the built-in tiny model (2 layers, d = 64), 8 groups x 8 completions
 of 8 tokens (64 samples a step), the transformers engine and the LoRA trainer in its process on
@@ -16,8 +17,9 @@ after --warmup of the run with the median step period. From the metrics rows the
   train           the trainer's own step, measured in its process (forward, backward, optimizer)
   trainer_ipc     the step call as the pipeline sees it minus `train`: pickling the batch, the pipe,
                   the stats coming back
-  save            the trainer writing the version's files (in its process, through the pipe)
-  store           the rest of the publish: hashes, manifest, fsyncs, rename
+  save            the trainer writing the version's files (in its process, through the pipe); with
+                  --publish memory, the adapter's tensors packed into the step's reply
+  store           the rest of the publish: hashes, manifest, fsyncs, rename (none with memory)
   thread_hop      handing the step to a worker thread and back
   record          committing the batch, logging its groups, building the metrics row
   checkpoint      checkpoints, spread over the steps (checkpoint_every = 10)
@@ -58,6 +60,7 @@ def one_run(k: int, args: argparse.Namespace) -> dict:
             "out": out, "pipeline.steps": args.steps, "pipeline.max_staleness": k, "pipeline.batch_groups": 8,
             "sampling.n": 8, "sampling.max_new_tokens": 8, "trainer.lora_rank": 16, "trainer.update": args.update,
             "pipeline.logprob_check_every": 0, "log.progress": False, "seed": args.seed,
+            "trainer.publish": args.publish,
         })
         p = Pipeline(cfg, console=False)
         summary = p.run_sync()
@@ -83,6 +86,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--update", default="lora", choices=["lora", "full"])
+    ap.add_argument("--publish", default="files", choices=["files", "memory"],
+                    help="trainer.publish: each version through files, or handed to the engine in the step's reply")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/benchmarks")
     ap.add_argument("--tag", default="")
@@ -106,7 +111,9 @@ def main() -> None:
     result["wall_s"] = time.monotonic() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"step_cost_{args.update}_{result['hardware']['cpu'].replace(' ', '-')}-{os.cpu_count()}c{args.tag}.json"
+    memory = "_memory" if args.publish == "memory" else ""
+    name = (f"step_cost_{args.update}{memory}_{result['hardware']['cpu'].replace(' ', '-')}-{os.cpu_count()}c"
+            f"{args.tag}.json")
     (out / name).write_text(json.dumps(result, indent=1))
     print(f"wrote {out / name}")
 

@@ -377,7 +377,7 @@ class TrainerConfig:
     target_modules: tuple[str, ...] = ("all-linear",)  # module names, or "all-linear"
     micro_batch_sequences: int = 64  # sequences per forward/backward (gradient accumulation)
     dtype: Literal["float32", "bfloat16"] = "float32"  # base weights (LoRA's are always float32); update = full trains in it
-    publish: Literal["files", "memory"] = "files"  # update = full: each version as a directory, or handed to vLLM on the trainer's GPU (docs/full-weights.md)
+    publish: Literal["files", "memory"] = "files"  # each version as a directory, or in memory: full weights to vLLM on the trainer's GPU, LoRA to transformers engines in the step's reply (docs/full-weights.md)
     step_s: float = 0.0  # simulated trainer only: seconds per step
     separate_process: bool = True  # train in a child process, so steps never hold the event loop's GIL
     nice: int = 10  # niceness of that process (0-19): when cores are short, the event loop and engines go first
@@ -575,9 +575,6 @@ class RunConfig:
                               "set model.warm_start = false for it")
         if self.deterministic:
             _check_deterministic(self)
-        if self.trainer.publish == "memory" and self.trainer.update != "full":
-            raise ConfigError('trainer.publish = "memory" hands whole weights to the engines: it needs '
-                              f'trainer.update = "full", got {self.trainer.update!r} (LoRA versions go through files)')
         if self.engine.kind == "vllm_server" and self.trainer.update == "full":
             raise ConfigError('trainer.update = "full" is not supported by engine.kind = "vllm_server" (a server '
                               'reloads LoRA adapters at run time, not whole weights); use engine.kind = "vllm"')

@@ -1,4 +1,8 @@
-"""Full weights handed from a trainer's GPU memory to a vLLM worker on the same GPU, not through files.
+"""A version handed from the trainer to the engines in memory, not through files.
+
+Full weights: from the trainer's GPU memory to a vLLM worker on the same GPU (CUDA IPC). LoRA:
+the adapter's tensors as plain bytes in the step's reply, for engines in the orchestrator's
+process (`adapter_payload`, `adapter_tensors`).
 
 trainer.publish = "memory" (docs/full-weights.md): the trainer packs and shares each version
 (`PolicyTrainer.share_weights`, which keeps the buffer while an engine may load it), the vLLM
@@ -19,10 +23,13 @@ Invariants:
   shifted does not match the producer's.
 - The worker reloads nothing unless the bytes it opened have the producer's checksum and every
   tensor of the layout lies inside them.
+- A LoRA payload is read back (`adapter_tensors`) only if its sha256 (over the config and every
+  tensor's name, dtype, shape and bytes) is the trainer's, into new tensors of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -113,6 +120,42 @@ def checksum(flat: torch.Tensor) -> str:
         plain += chunk.sum()
         weighted += (chunk * position).sum()
     return f"{int(plain) & _U64:016x}{int(weighted) & _U64:016x}"
+
+
+def adapter_payload(version: int, tensors: dict[str, torch.Tensor], config: bytes) -> dict[str, Any]:
+    """A LoRA version as plain data (trainer.publish = "memory" with LoRA): each tensor's dtype,
+    shape and bytes (a host copy), the adapter_config.json bytes, and a sha256 over all of them."""
+    plain = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                    "data": t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes()}
+             for name, t in tensors.items()}
+    return {"version": version, "config": bytes(config), "tensors": plain, "checksum": _adapter_digest(config, plain)}
+
+
+def adapter_tensors(payload: dict[str, Any]) -> tuple[dict[str, torch.Tensor], bytes]:
+    """`adapter_payload`'s tensors (new CPU tensors) and config bytes; ValueError unless they hash
+    to its checksum and each tensor's bytes fit its dtype and shape."""
+    plain, config = payload["tensors"], payload["config"]
+    seen = _adapter_digest(config, plain)
+    if seen != payload["checksum"]:
+        raise ValueError(f"version {payload['version']}: the adapter's sha256 is {seen}, the trainer's "
+                         f"{payload['checksum']}: it changed on its way")
+    out = {}
+    for name, t in plain.items():
+        dtype = getattr(torch, t["dtype"])
+        if len(t["data"]) != _nbytes(dtype, tuple(t["shape"])):
+            raise ValueError(f"version {payload['version']}: tensor {name} holds {len(t['data'])} bytes, "
+                             f"not those of {t['dtype']} {t['shape']}")
+        out[name] = torch.frombuffer(bytearray(t["data"]), dtype=torch.uint8).view(dtype).reshape(t["shape"])
+    return out, config
+
+
+def _adapter_digest(config: bytes, plain: dict[str, dict[str, Any]]) -> str:
+    h = hashlib.sha256(config)
+    for name in sorted(plain):
+        t = plain[name]
+        h.update(f"\0{name}\0{t['dtype']}\0{t['shape']}\0{len(t['data'])}\0".encode())
+        h.update(t["data"])
+    return h.hexdigest()
 
 
 # reduce_tensor's arguments for rebuild_cuda_tensor (torch.multiprocessing.reductions), in order

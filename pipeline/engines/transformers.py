@@ -21,7 +21,9 @@ Invariants (beyond the Engine protocol's):
 - Loading a version fills the peft adapter of an unloaded version with the same
   adapter_config.json, in place (a free slot), after checking every tensor name and shape; only
   without one does peft inject a new adapter. Unloading frees the slot rather than deleting it,
-  so the adapters held in memory are the most ever loaded at once, not more.
+  so the adapters held in memory are the most ever loaded at once, not more. A version handed
+  over in memory (trainer.publish = "memory": `AdapterRef.shared`) loads the same way from its
+  payload, whose sha256 is checked first; only an injection writes it to a temporary directory.
 - A decoding batch holds groups of a single adapter. Groups of other adapters wait for the next
   batch (sub-batches by adapter, in queue order), rather than use peft's mixed-batch
   `adapter_names=`, so every forward pass is a plain single-adapter LoRA forward.
@@ -52,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 import threading
 import time
 from collections import deque
@@ -179,7 +182,7 @@ class TransformersEngine:
         self._running: list[_Pending] = []
         self._batch_task: asyncio.Task[None] | None = None
         self._residency: Residency[Path] = Residency(
-            self.name, self.max_loaded_adapters, prepare=check_adapter_dir, load=self._submit_load,
+            self.name, self.max_loaded_adapters, prepare=_check_version, load=self._submit_load,
             unload=self._submit_delete)
         self._started = False
         self._closed = False
@@ -426,25 +429,29 @@ class TransformersEngine:
         there is one (its tensors overwritten in place, where peft's load_adapter injects new layers,
         slower with every adapter it holds), else as a new peft adapter."""
         t0 = time.monotonic()
-        assert adapter.path is not None  # check_adapter_dir refused it on the loop
-        config = (Path(adapter.path) / "adapter_config.json").read_bytes()
+        config = _config_of(adapter)
         slot = self._free_slot(config)
         if slot is not None:
             self._fill_slot(slot, adapter)
         else:
             slot = adapter.name
-            try:
-                with models.building_modules():
-                    if self._peft is None:
-                        self._peft = PeftModel.from_pretrained(self._model, adapter.path, adapter_name=slot,
-                                                               is_trainable=False)
-                    else:
-                        self._peft.load_adapter(adapter.path, adapter_name=slot, is_trainable=False)
-            except Exception as e:  # any failure to read the published files is this adapter's fault
-                if self._peft is not None and slot in self._peft.peft_config:
-                    self._peft.delete_adapter(slot)
-                raise AdapterCorruptError(
-                    f"adapter version {adapter.version}: peft could not load {adapter.path!r}: {e}") from e
+            with contextlib.ExitStack() as stack:
+                path = adapter.path
+                if path is None:  # handed over in memory: peft injects layers from a directory, once per slot
+                    path = stack.enter_context(tempfile.TemporaryDirectory(prefix="adapter-"))
+                    _write_adapter(adapter, Path(path))
+                try:
+                    with models.building_modules():
+                        if self._peft is None:
+                            self._peft = PeftModel.from_pretrained(self._model, path, adapter_name=slot,
+                                                                   is_trainable=False)
+                        else:
+                            self._peft.load_adapter(path, adapter_name=slot, is_trainable=False)
+                except Exception as e:  # any failure to read the published files is this adapter's fault
+                    if self._peft is not None and slot in self._peft.peft_config:
+                        self._peft.delete_adapter(slot)
+                    raise AdapterCorruptError(
+                        f"adapter version {adapter.version}: peft could not load {_where(adapter)}: {e}") from e
             self._slot_configs[slot] = config
         self._peft_loaded.append(adapter.name)
         self._slot_of[adapter.name] = slot
@@ -457,15 +464,7 @@ class TransformersEngine:
     def _fill_slot(self, slot: str, adapter: AdapterRef) -> None:
         """Copy `adapter`'s tensors into the free peft adapter `slot`, after checking every name,
         shape and value: a file that does not fit is refused with nothing copied, the slot kept free."""
-        from safetensors.torch import load
-
-        from pipeline.store.durable import read_file
-
-        path = Path(adapter.path) / "adapter_model.safetensors"
-        try:  # one read and a parse from memory: a third of load_file's time (its mmap slices every tensor)
-            tensors = load(read_file(path))
-        except Exception as e:  # a torn or foreign file
-            raise AdapterCorruptError(f"adapter version {adapter.version}: cannot read {str(path)!r}: {e}") from e
+        tensors = _tensors_of(adapter)
         params = self._slot_params.get(slot)
         if params is None:  # once per slot: its parameters under the names the file uses
             marker = f".{slot}."
@@ -476,8 +475,8 @@ class TransformersEngine:
         if not problems and not _all_finite(list(tensors.values())):
             problems = [k for k, t in tensors.items() if not torch.isfinite(t).all()][:3]
         if problems:
-            raise AdapterCorruptError(f"adapter version {adapter.version}: {str(path)!r} does not hold the tensors "
-                                      f"its adapter_config.json describes (first: {problems})")
+            raise AdapterCorruptError(f"adapter version {adapter.version}: {_where(adapter)} does not hold the "
+                                      f"tensors its adapter_config.json describes (first: {problems})")
         with torch.no_grad():
             for k, t in tensors.items():
                 params[k].copy_(t)
@@ -516,8 +515,8 @@ class TransformersEngine:
         if not self._free_slots:
             return None
         try:
-            return self._free_slot((Path(adapter.path) / "adapter_config.json").read_bytes())  # type: ignore[arg-type]
-        except OSError:
+            return self._free_slot(_config_of(adapter))
+        except (OSError, AdapterCorruptError):
             return None  # its load says what is wrong, after the batch
 
     def _free_slot(self, config: bytes) -> str | None:
@@ -666,6 +665,49 @@ class TransformersEngine:
         """Worker: (model tensor, new value) for every distinct tensor of `path`; nothing is written."""
         assert self._model is not None  # loaded by start()
         return stage_weights(self._model, path, f"engine {self.name}: version {adapter.version}")
+
+
+def _check_version(adapter: AdapterRef) -> Path | None:
+    """On the loop, before a load: a version's directory (`check_adapter_dir`), or nothing for one
+    handed over in memory (its load checks the payload's sha256)."""
+    return None if adapter.shared is not None else check_adapter_dir(adapter)
+
+
+def _where(adapter: AdapterRef) -> str:
+    return "the adapter handed over in memory" if adapter.path is None else repr(adapter.path)
+
+
+def _config_of(adapter: AdapterRef) -> bytes:
+    """The bytes of a version's adapter_config.json (from its directory, or its payload)."""
+    if adapter.shared is not None:
+        return bytes(adapter.shared["config"])
+    assert adapter.path is not None  # check_adapter_dir refused it on the loop
+    return (Path(adapter.path) / "adapter_config.json").read_bytes()
+
+
+def _tensors_of(adapter: AdapterRef) -> dict[str, torch.Tensor]:
+    """A version's adapter tensors, read and checked: from its safetensors file, or its payload
+    (whose sha256 must be the trainer's); AdapterCorruptError naming the version otherwise."""
+    from safetensors.torch import load
+
+    from pipeline.engines.shared_weights import adapter_tensors
+    from pipeline.store.durable import read_file
+
+    try:
+        if adapter.shared is not None:
+            return adapter_tensors(dict(adapter.shared))[0]
+        # one read and a parse from memory: a third of load_file's time (its mmap slices every tensor)
+        return load(read_file(Path(adapter.path or "") / "adapter_model.safetensors"))
+    except Exception as e:  # a torn or foreign file, or a payload that changed on its way
+        raise AdapterCorruptError(f"adapter version {adapter.version}: cannot read {_where(adapter)}: {e}") from e
+
+
+def _write_adapter(adapter: AdapterRef, directory: Path) -> None:
+    """A version handed over in memory, as the two files peft loads (once per slot it injects)."""
+    from safetensors.torch import save_file
+
+    save_file(_tensors_of(adapter), str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (directory / "adapter_config.json").write_bytes(_config_of(adapter))
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

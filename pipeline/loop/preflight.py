@@ -40,22 +40,27 @@ def preflight(cfg: RunConfig, *, builds_engines: bool = True, builds_trainer: bo
 
 
 def check_memory_publish(cfg: RunConfig, *, builds_engines: bool, builds_trainer: bool) -> None:
-    """trainer.publish = "memory" where the pipeline builds what it needs: vLLM engines in this
-    process's reach and one trainer process, all on one GPU (CUDA IPC opens memory of the same GPU
-    only). Engines or a trainer of the caller's own are the caller's to match."""
+    """trainer.publish = "memory" where the pipeline builds what it needs. Full weights: vLLM engines
+    and one trainer process, all on one GPU (CUDA IPC opens memory of the same GPU only). LoRA:
+    engines in this process (transformers), which take the adapter's tensors from the step's reply.
+    Engines or a trainer of the caller's own are the caller's to match."""
     if cfg.trainer.publish != "memory":
         return
-    why = 'trainer.publish = "memory" hands each version to vLLM through the trainer\'s GPU memory'
-    if builds_engines and cfg.engine.kind not in ("vllm", "simulated"):
-        raise ConfigError(f'{why}: it needs engine.kind = "vllm", got {cfg.engine.kind!r}; '
-                          'use trainer.publish = "files"')
+    full = cfg.trainer.update == "full"
+    why = ('trainer.publish = "memory" hands each full-weight version to vLLM through the trainer\'s GPU memory'
+           if full else 'trainer.publish = "memory" hands each LoRA version to the engines in the step\'s reply')
+    wanted = "vllm" if full else "transformers"
+    if builds_engines and cfg.engine.kind not in (wanted, "simulated"):
+        raise ConfigError(f'{why}: it needs engine.kind = "{wanted}", got {cfg.engine.kind!r}'
+                          + ("" if full else " (vLLM loads LoRA adapters from files)")
+                          + '; use trainer.publish = "files"')
     if builds_trainer and cfg.trainer.kind == "peft":
         if cfg.trainer.devices:
             raise ConfigError(f"{why}: it needs one trainer process, not trainer ranks (trainer.devices = "
                               f"{_show(cfg.trainer.devices)})")
-        if not cfg.trainer.device.startswith("cuda"):
+        if full and not cfg.trainer.device.startswith("cuda"):
             raise ConfigError(f'{why}: trainer.device must be a GPU ("cuda:N"), got {cfg.trainer.device!r}')
-    if builds_engines and builds_trainer and cfg.engine.kind == "vllm" and cfg.trainer.kind == "peft":
+    if full and builds_engines and builds_trainer and cfg.engine.kind == "vllm" and cfg.trainer.kind == "peft":
         for i, device in enumerate(cfg.engine.devices):
             if device != cfg.trainer.device:
                 raise ConfigError(f'{why}: engine.devices[{i}] = "{device}" is not trainer.device = '

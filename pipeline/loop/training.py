@@ -214,7 +214,7 @@ class Training:
 
         A trainer in its own process steps and writes the version into the publish's temporary
         directory in one round trip (`step_and_save`); its version must then be the next one.
-        With trainer.publish = "memory" the version is shared in the trainer's GPU memory instead."""
+        With trainer.publish = "memory" the version is handed over in memory instead."""
         if self.cfg.trainer.publish == "memory":
             return self._step_and_share(batch)
         merged = getattr(self.trainer, "step_and_save", None)
@@ -253,9 +253,10 @@ class Training:
                             "time/publish_s": time.monotonic() - t0 - call_s + save_s, "time/save_s": save_s}
 
     def _step_and_share(self, batch: Batch) -> tuple[TrainStats, AdapterRef, dict[str, float]]:
-        """A training step, then its version shared in the trainer's GPU memory (trainer.publish =
-        "memory"): nothing is written. The trainer may let go of every version older than the one the
-        engines serve now (a restarted engine loads that one; the served version only moves up)."""
+        """A training step, then its version handed over in memory (trainer.publish = "memory": full
+        weights in the trainer's GPU memory, a LoRA adapter's tensors in the reply): nothing is
+        written. The trainer may let go of every version older than the one the engines serve now
+        (a restarted engine loads that one; the served version only moves up)."""
         keep_from = self.versions.served
         merged = getattr(self.trainer, "step_and_share", None)
         t0 = time.monotonic()

@@ -389,17 +389,22 @@ class PolicyTrainer:
         self.strategy.publish(self.model, Path(directory), self.collectives)
 
     def share_weights(self, keep_from: int) -> dict[str, Any]:
-        """The current version's whole weights packed into a GPU buffer of their own, as the plain
-        data another process on this GPU opens it from (`pipeline.engines.shared_weights.share`).
+        """The current version handed over in memory (trainer.publish = "memory"), as plain data.
 
-        The trainer keeps each buffer it shared until a later call's `keep_from` (the oldest version
-        an engine may still load: the one they serve) passes its version; CUDA IPC memory stays the
-        producer's, so a buffer released early would leave an engine nothing to load."""
+        Full weights: packed into a GPU buffer of their own, as another process on this GPU opens
+        it (`pipeline.engines.shared_weights.share`). The trainer keeps each buffer it shared until a
+        later call's `keep_from` (the oldest version an engine may still load: the one they serve)
+        passes its version; CUDA IPC memory stays the producer's, so a buffer released early would
+        leave an engine nothing to load. LoRA: the adapter's tensors (host copies) and config, what
+        its two files would hold (`pipeline.engines.shared_weights.adapter_payload`); nothing kept."""
         from pipeline.engines import shared_weights
 
         assert self.model is not None, "call setup() first"
-        if self.strategy.name != "full" or self.collectives.sharded:
-            raise TrainerError('trainer.publish = "memory" needs trainer.update = "full" and one trainer process')
+        if self.collectives.sharded:
+            raise TrainerError('trainer.publish = "memory" needs one trainer process, not trainer ranks')
+        if self.strategy.name == "lora":
+            tensors, config = self.strategy.adapter(self.model)
+            return shared_weights.adapter_payload(self.version, tensors, config)
         for version in [v for v in self.shared if v < keep_from]:
             del self.shared[version]
         if self.version not in self.shared:

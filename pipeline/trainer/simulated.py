@@ -67,10 +67,16 @@ class SimulatedTrainer:
         (Path(directory) / config).write_text(json.dumps({"simulated": True, "version": self.version}))
 
     def share_weights(self, keep_from: int) -> dict:
-        """trainer.publish = "memory": the version's payload as PolicyTrainer.share_weights gives it
-        (no buffer: a checksum naming the version), kept until a later `keep_from` passes it."""
-        if self.update != "full":
-            raise ConfigError('trainer.publish = "memory" needs trainer.update = "full"')
+        """trainer.publish = "memory": the version's payload as PolicyTrainer.share_weights gives it.
+        Full weights: no buffer, a checksum naming the version, kept until a later `keep_from` passes
+        it. LoRA: what `save_adapter` writes, as plain data (`shared_weights.adapter_payload`)."""
+        if self.update == "lora":
+            import torch
+
+            from pipeline.engines.shared_weights import adapter_payload
+
+            config = json.dumps({"simulated": True, "version": self.version}).encode()
+            return adapter_payload(self.version, {"version": torch.tensor([self.version])}, config)
         for version in [v for v in self.shared if v < keep_from]:
             del self.shared[version]
         payload = self.shared.setdefault(self.version, {"version": self.version, "checksum": f"{self.version:032x}",

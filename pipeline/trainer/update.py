@@ -116,13 +116,18 @@ class LoraUpdate:
         adapter's tensors under peft's saved names, the config peft would write."""
         from safetensors.torch import save_file
 
-        assert self._layout is not None, "build the model first (trainable)"
-        names, config = self._layout
-        params = dict(trainable_parameters(model))
-        tensors = {key: whole(params[name]) for key, name in names.items()}
+        tensors, config = self.adapter(model)
         if collectives.rank == 0:
             save_file(tensors, str(Path(directory) / "adapter_model.safetensors"), metadata={"format": "pt"})
             (Path(directory) / "adapter_config.json").write_bytes(config)
+
+    def adapter(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], bytes]:
+        """What a version's two files hold: the adapter's tensors under peft's saved names (views of
+        the parameters, whole on every rank) and the bytes of adapter_config.json."""
+        assert self._layout is not None, "build the model first (trainable)"
+        names, config = self._layout
+        params = dict(trainable_parameters(model))
+        return {key: whole(params[name]) for key, name in names.items()}, config
 
 
 def _peft_layout(model: torch.nn.Module) -> tuple[dict[str, str], bytes]:

@@ -478,3 +478,49 @@ def test_closing_with_a_load_queued_behind_a_batch_ends_the_load_and_restarts_cl
     error, gen = _run(model_dir, body, max_loaded_adapters=3, eos_token_ids=[])
     assert isinstance(error, (asyncio.CancelledError, EngineDeadError)), error
     assert _max_abs_diff(_adapted(model_dir, adapters[2]), gen) < 1e-4
+
+
+def _in_memory(adapter: AdapterRef) -> AdapterRef:
+    """`adapter` as trainer.publish = "memory" hands it over: its two files' contents as a payload."""
+    from safetensors.torch import load_file
+
+    from pipeline.engines.shared_weights import adapter_payload
+
+    path = Path(adapter.path)
+    payload = adapter_payload(adapter.version, load_file(str(path / "adapter_model.safetensors")),
+                              (path / "adapter_config.json").read_bytes())
+    return AdapterRef.in_memory(adapter.version, payload)
+
+
+def test_versions_handed_over_in_memory_sample_as_their_directories_do(
+        model_dir: Path, adapters: dict[int, AdapterRef]) -> None:
+    """trainer.publish = "memory" with LoRA: the first version injects peft's layers from its payload,
+    later ones fill the freed slot from theirs; each samples with exactly its own weights, and a
+    payload changed on its way is refused with the slot left free and usable."""
+    refs = {v: _in_memory(a) for v, a in adapters.items()}
+    payload = dict(refs[3].shared)
+    payload["tensors"] = {k: dict(t) for k, t in payload["tensors"].items()}
+    first = sorted(payload["tensors"])[0]
+    payload["tensors"][first]["data"] = bytes(len(payload["tensors"][first]["data"]))  # zeros, same size
+    tampered = AdapterRef(version=9, name="v000009-memtampered", path=None, sha256=refs[3].sha256, shared=payload)
+
+    async def body(engine: TransformersEngine) -> tuple[dict[int, Generation], list[int], str]:
+        gens, slots = {}, []
+        for v in (1, 2, 3):
+            await engine.load_adapter(refs[v])
+            slots.append(len(engine._peft.peft_config))
+            gens[v] = await engine.generate(_request(v, f"memory {v}", n=4), refs[v])
+        await engine.unload_adapter(refs[3])
+        with pytest.raises(AdapterError) as e:
+            await engine.load_adapter(tampered)
+        await engine.load_adapter(refs[1])  # the free slot serves again
+        gens[1] = await engine.generate(_request(10, "after the refusal", n=4), refs[1])
+        return gens, slots, str(e.value)
+
+    gens, slots, error = _run(model_dir, body, max_loaded_adapters=1)
+    assert slots == [1, 1, 1]  # injected once from a payload, then refilled in place
+    assert "version 9" in error and "in memory" in error and "changed on its way" in error
+    for v, gen in gens.items():
+        assert gen.version == v
+        assert _max_abs_diff(_adapted(model_dir, adapters[v]), gen) < 1e-4
+    assert _max_abs_diff(_adapted(model_dir, adapters[2]), gens[3]) > 1e-2

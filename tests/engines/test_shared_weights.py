@@ -184,3 +184,24 @@ def test_a_full_weight_trainer_packs_the_tensors_it_publishes(tmp_path: Path) ->
     assert set(packed) == set(published) and len(packed) > 10
     assert all(torch.equal(packed[k], published[k]) for k in published)
     trainer.close()
+
+
+def test_a_lora_payload_reads_back_exactly_and_refuses_any_change() -> None:
+    tensors = {"a.lora_A.weight": torch.randn(4, 8), "a.lora_B.weight": torch.randn(8, 4).to(torch.bfloat16)}
+    payload = sw.adapter_payload(3, tensors, b'{"r": 4}')
+    back, config = sw.adapter_tensors(payload)
+    assert config == b'{"r": 4}' and back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], tensors[k]) and back[k].dtype == tensors[k].dtype for k in tensors)
+    for change in ("data", "shape", "dtype", "config"):
+        bad = {**payload, "tensors": {k: dict(v) for k, v in payload["tensors"].items()}}
+        t = bad["tensors"]["a.lora_A.weight"]
+        if change == "data":
+            t["data"] = bytes([t["data"][0] ^ 1]) + t["data"][1:]
+        elif change == "shape":
+            t["shape"] = [8, 4]
+        elif change == "dtype":
+            t["dtype"] = "int32"
+        else:
+            bad["config"] = b'{"r": 8}'
+        with pytest.raises(ValueError, match="the adapter's sha256 is .* it changed on its way"):
+            sw.adapter_tensors(bad)

@@ -156,8 +156,7 @@ def test_a_memory_run_resumes_from_its_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("override,message", [
-    ({"trainer.update": "lora"}, 'needs trainer.update = "full", got \'lora\''),
-    ({"engine.kind": "transformers"}, 'needs engine.kind = "vllm", got \'transformers\''),
+    ({"engine.kind": "transformers"}, 'full-weight version .* needs engine.kind = "vllm", got \'transformers\''),
     ({"trainer.kind": "peft", "trainer.device": "cpu"}, 'trainer.device must be a GPU \\("cuda:N"\\), got \'cpu\''),
     ({"trainer.kind": "peft", "trainer.devices": ["cpu", "cpu"]}, "one trainer process, not trainer ranks"),
 ])
@@ -172,3 +171,25 @@ def test_memory_publish_refuses_an_engine_on_another_gpu_than_the_trainer(tmp_pa
     with pytest.raises(ConfigError, match='engine.devices\\[1\\] = "cuda:1" is not trainer.device = "cuda:0"'):
         check_memory_publish(cfg, builds_engines=True, builds_trainer=True)
     check_memory_publish(cfg, builds_engines=False, builds_trainer=True)  # engines of the caller's own: theirs to match
+
+
+@pytest.mark.parametrize("separate_process", [True, False])
+def test_a_lora_run_hands_each_adapter_to_the_transformers_engine_in_the_steps_reply(tmp_path, separate_process):
+    """trainer.publish = "memory" with LoRA on the CPU: the real trainer (in its process or a thread)
+    hands each adapter's tensors to the transformers engine; the engine samples with exactly the
+    trainer's version (the log-prob check), and only the last version is written."""
+    from pipeline.config.io import load_config
+
+    cfg = load_config(None, {
+        "out": str(tmp_path / "run"), "model.warm_start": False, "trainer.publish": "memory",
+        "trainer.separate_process": separate_process, "pipeline.steps": 6, "pipeline.batch_groups": 4,
+        "sampling.n": 4, "pipeline.max_staleness": 1, "pipeline.logprob_check_every": 2, "eval.every": 0,
+        "log.progress": False})
+    p = Pipeline(cfg, console=False)
+    summary = p.run_sync()
+    assert summary["error"] is None and summary["steps"] == 6 and summary["accounting_ok"], summary
+    checks = {r["step"]: r["check/mean_abs_diff"] for r in p.metrics_rows if "check/mean_abs_diff" in r}
+    # steps 3 and 5 check groups sampled with versions >= 1, which reached the engine in memory only
+    assert sorted(checks) == [1, 3, 5] and max(checks.values()) < 1e-4, checks  # float32 both sides
+    store = AdapterStore(p.run_dir / "adapters", base_model="", kind="lora", readonly=True)
+    assert store.versions() == [6]

@@ -358,7 +358,24 @@ def test_shared_versions_are_the_weights_of_their_step_and_kept_until_engines_pa
     assert trainer.shared[3] is payloads[3]["packed"]
     # a second call for the same version shares the same buffer, not a second copy
     assert trainer.share_weights(3)["packed"] is payloads[4]["packed"]
+
+
+def test_a_shared_lora_version_holds_what_its_files_would(model_dir, tmp_path):
+    """LoRA with trainer.publish = "memory": the payload reads back (its sha256 checked) into exactly
+    the tensors and the config bytes save_adapter writes for the same version."""
+    from safetensors.torch import load_file
+
+    from pipeline.engines import shared_weights
+
     lora = _trainer(model_dir, update="lora")
     lora.setup()
-    with pytest.raises(TrainerError, match='trainer.update = "full"'):
-        lora.share_weights(0)
+    lora.step(_batch(1))
+    payload = lora.share_weights(0)
+    tensors, config = shared_weights.adapter_tensors(payload)
+    lora.save_adapter(tmp_path)
+    files = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert payload["version"] == 1 and tensors.keys() == files.keys() and files
+    assert all(torch.equal(tensors[k], files[k]) for k in files)
+    assert config == (tmp_path / "adapter_config.json").read_bytes()
+    lora.step(_batch(2))  # the payload is a copy: a later step leaves it as it was
+    assert all(torch.equal(shared_weights.adapter_tensors(payload)[0][k], files[k]) for k in files)
