@@ -7,7 +7,7 @@ import math
 import os
 import threading
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import numpy as np
 import pytest
@@ -360,6 +360,18 @@ def test_the_torch_thread_on_the_cpu_is_idle_scheduled_and_the_loop_is_not(model
 
 
 
+async def _load_and_sample(engine: TransformersEngine, refs: dict[int, AdapterRef], order: Sequence[int],
+                           label: str) -> tuple[dict[int, Generation], list[int]]:
+    """Load each version of `order` in turn and sample a group with it: the generations by version,
+    and how many peft adapters the engine held after each load."""
+    gens, slots = {}, []
+    for v in order:
+        await engine.load_adapter(refs[v])
+        slots.append(len(engine._peft.peft_config))
+        gens[v] = await engine.generate(_request(v, f"{label} {v}", n=4), refs[v])
+    return gens, slots
+
+
 def test_a_version_fills_the_slot_of_an_unloaded_one_and_samples_from_its_own_weights(
         model_dir: Path, adapters: dict[int, AdapterRef], tmp_path: Path) -> None:
     """With one adapter resident, every load after the first overwrites the freed peft adapter in
@@ -384,11 +396,7 @@ def test_a_version_fills_the_slot_of_an_unloaded_one_and_samples_from_its_own_we
     nan_ref = AdapterRef(version=10, name="v000010-nan", path=str(nan))
 
     async def body(engine: TransformersEngine) -> tuple[dict[int, Generation], list[int], str, str]:
-        gens, slots = {}, []
-        for v in (1, 2, 3, 1):
-            await engine.load_adapter(adapters[v])
-            slots.append(len(engine._peft.peft_config))
-            gens[v] = await engine.generate(_request(v, f"slot {v}", n=4), adapters[v])
+        gens, slots = await _load_and_sample(engine, adapters, (1, 2, 3, 1), "slot")
         await engine.unload_adapter(adapters[1])
         with pytest.raises(AdapterError) as e:
             await engine.load_adapter(bad_ref)
@@ -505,11 +513,7 @@ def test_versions_handed_over_in_memory_sample_as_their_directories_do(
     tampered = AdapterRef(version=9, name="v000009-memtampered", path=None, sha256=refs[3].sha256, shared=payload)
 
     async def body(engine: TransformersEngine) -> tuple[dict[int, Generation], list[int], str]:
-        gens, slots = {}, []
-        for v in (1, 2, 3):
-            await engine.load_adapter(refs[v])
-            slots.append(len(engine._peft.peft_config))
-            gens[v] = await engine.generate(_request(v, f"memory {v}", n=4), refs[v])
+        gens, slots = await _load_and_sample(engine, refs, (1, 2, 3), "memory")
         await engine.unload_adapter(refs[3])
         with pytest.raises(AdapterError) as e:
             await engine.load_adapter(tampered)
