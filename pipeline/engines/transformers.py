@@ -693,11 +693,12 @@ def _tensors_of(adapter: AdapterRef) -> dict[str, torch.Tensor]:
     from pipeline.engines.shared_weights import adapter_tensors
     from pipeline.store.durable import read_file
 
+    assert adapter.shared is not None or adapter.path is not None  # check_adapter_dir refused it on the loop
     try:
         if adapter.shared is not None:
             return adapter_tensors(dict(adapter.shared))[0]
         # one read and a parse from memory: a third of load_file's time (its mmap slices every tensor)
-        return load(read_file(Path(adapter.path or "") / "adapter_model.safetensors"))
+        return load(read_file(Path(adapter.path) / "adapter_model.safetensors"))
     except Exception as e:  # a torn or foreign file, or a payload that changed on its way
         raise AdapterCorruptError(f"adapter version {adapter.version}: cannot read {_where(adapter)}: {e}") from e
 
