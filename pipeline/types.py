@@ -37,9 +37,9 @@ class AdapterRef:
     version: int  # 0 is the base model (no adapter)
     name: str  # unique, never reused: "v000007-1a2b3c4d"; "base" for version 0
     path: str | None  # directory with adapter_config.json + adapter_model.safetensors; None for base and in memory
-    sha256: str = ""  # content hash over the adapter files ("" for base); the buffer's checksum in memory
-    # trainer.publish = "memory": the full weights in the trainer's GPU memory, as plain data
-    # (pipeline.engines.shared_weights.share); None for a version on disk
+    sha256: str = ""  # content hash over the adapter files ("" for base); the payload's checksum in memory
+    # trainer.publish = "memory": the version as plain data (pipeline.engines.shared_weights: full
+    # weights' CUDA IPC payload, `share`; a LoRA adapter's tensors, `adapter_payload`); None on disk
     shared: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
@@ -48,7 +48,7 @@ class AdapterRef:
 
     @staticmethod
     def in_memory(version: int, shared: Mapping[str, Any]) -> AdapterRef:
-        """A full-weight version handed over in GPU memory (`shared`: its payload, with its checksum)."""
+        """A version handed over in memory (`shared`: its payload, with its checksum)."""
         checksum = str(shared["checksum"])
         return AdapterRef(version=version, name=f"v{version:06d}-mem{checksum[:8]}", path=None, sha256=checksum,
                           shared=shared)

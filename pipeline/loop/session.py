@@ -145,7 +145,7 @@ async def continue_trainer(trainer: Any, ck: Any, store: AdapterStore, versions:
     await asyncio.to_thread(trainer.load_state, ck.trainer_dir)
     if trainer.version != version:
         raise TrainerError(f"checkpoint {ck.path} holds trainer version {trainer.version}, its ledger says {version}")
-    if memory:  # trainer.publish = "memory": handed over in the trainer's GPU memory, as every later version
+    if memory:  # trainer.publish = "memory": handed over in memory, as every later version
         ref = AdapterRef.in_memory(version, await asyncio.to_thread(trainer.share_weights, version))
     else:
         ref = await asyncio.to_thread(store.publish, version, trainer.save_adapter)

@@ -28,8 +28,8 @@ Invariants:
 - Adapters and trainer state still go through the filesystem: `save_adapter(dir)`,
   `save_state(dir)` and `load_state(dir)` make the child write or read them. `step_and_save`
   is a step and the save of the version it made in one round trip (the pipeline's publish);
-  `step_and_share` is a step and its version shared in the child's GPU memory (trainer.publish =
-  "memory"), whose buffer the child keeps.
+  `step_and_share` is a step and its version handed over in memory (trainer.publish = "memory":
+  full weights in the child's GPU memory, whose buffer the child keeps; LoRA tensors in the reply).
 - `version`, `skipped_steps` and `consecutive_skips` mirror the child's after every call that
   changes them (setup, step, step_and_save, load_state).
 - With a `channel`, the child reads and answers its requests through `channel(pipe, trainer)`
@@ -61,7 +61,8 @@ from pipeline.trainer.log_shipping import forward_events, log_to_parent
 from pipeline.types import Batch, RolloutGroup, TrainStats
 
 
-_MIRRORED = ("setup", "step", "step_and_save", "step_and_share", "load_state")  # calls that answer with the trainer's counters too
+# calls that answer with the trainer's counters too
+_MIRRORED = ("setup", "step", "step_and_save", "step_and_share", "load_state")
 FLUSH_S = 5.0  # how long a stopping or failing child waits for its events to drain
 
 
@@ -174,7 +175,7 @@ def _step_and_save(trainer: Any, batch: Batch, directory: Path) -> tuple[TrainSt
 
 
 def _step_and_share(trainer: Any, batch: Batch, keep_from: int) -> tuple[TrainStats, dict[str, Any], float]:
-    """A step, then the version it made shared in GPU memory (`PolicyTrainer.share_weights`): the
+    """A step, then the version it made handed over in memory (`PolicyTrainer.share_weights`): the
     stats, the payload and the share's seconds."""
     stats = trainer.step(batch)
     t0 = time.monotonic()
@@ -188,7 +189,8 @@ def _torch_threads(trainer: Any) -> int:
     return torch.get_num_threads()
 
 
-_CHILD_CALLS = {"step_and_save": _step_and_save, "step_and_share": _step_and_share, "torch_threads": _torch_threads}  # the process's, not the trainer's
+# the process's calls, not the trainer's
+_CHILD_CALLS = {"step_and_save": _step_and_save, "step_and_share": _step_and_share, "torch_threads": _torch_threads}
 
 
 def priority_of(cfg: TrainerConfig) -> tuple[int, bool]:
