@@ -33,7 +33,7 @@ import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -131,7 +131,7 @@ def adapter_payload(version: int, tensors: dict[str, torch.Tensor], config: byte
     return {"version": version, "config": bytes(config), "tensors": plain, "checksum": _adapter_digest(config, plain)}
 
 
-def adapter_tensors(payload: dict[str, Any]) -> tuple[dict[str, torch.Tensor], bytes]:
+def adapter_tensors(payload: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], bytes]:
     """`adapter_payload`'s tensors (new CPU tensors) and config bytes; ValueError unless they hash
     to its checksum and each tensor's bytes fit its dtype and shape."""
     plain, config = payload["tensors"], payload["config"]

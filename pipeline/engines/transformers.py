@@ -73,6 +73,7 @@ from pipeline.devices import sched_idle
 from pipeline.engines.base import check_adapter_dir, check_group_request, check_model_dir, held_versions, same_version
 from pipeline.engines.decoding import GroupDecoder, process_logits
 from pipeline.engines.full_weights import stage_weights
+from pipeline.store.weights import write_adapter
 from pipeline.engines.residency import Residency, Resident
 from pipeline.errors import (
     AdapterCorruptError,
@@ -439,7 +440,7 @@ class TransformersEngine:
                 path = adapter.path
                 if path is None:  # handed over in memory: peft injects layers from a directory, once per slot
                     path = stack.enter_context(tempfile.TemporaryDirectory(prefix="adapter-"))
-                    _write_adapter(adapter, Path(path))
+                    write_adapter(Path(path), _tensors_of(adapter), config)
                 try:
                     with models.building_modules():
                         if self._peft is None:
@@ -696,19 +697,11 @@ def _tensors_of(adapter: AdapterRef) -> dict[str, torch.Tensor]:
     assert adapter.shared is not None or adapter.path is not None  # check_adapter_dir refused it on the loop
     try:
         if adapter.shared is not None:
-            return adapter_tensors(dict(adapter.shared))[0]
+            return adapter_tensors(adapter.shared)[0]
         # one read and a parse from memory: a third of load_file's time (its mmap slices every tensor)
         return load(read_file(Path(adapter.path) / "adapter_model.safetensors"))
     except Exception as e:  # a torn or foreign file, or a payload that changed on its way
         raise AdapterCorruptError(f"adapter version {adapter.version}: cannot read {_where(adapter)}: {e}") from e
-
-
-def _write_adapter(adapter: AdapterRef, directory: Path) -> None:
-    """A version handed over in memory, as the two files peft loads (once per slot it injects)."""
-    from safetensors.torch import save_file
-
-    save_file(_tensors_of(adapter), str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
-    (directory / "adapter_config.json").write_bytes(_config_of(adapter))
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:

@@ -84,6 +84,15 @@ _NAME_RE = re.compile(r"^v(\d{6,})-([0-9a-f]{8})$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
+def write_adapter(directory: Path, tensors: Mapping[str, Any], config: bytes) -> None:
+    """A LoRA version's two files in `directory`: adapter_model.safetensors (the tensors) and
+    adapter_config.json (`config`, as it is)."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (directory / CONFIG).write_bytes(config)
+
+
 def _dir_name(version: int, content_sha256: str) -> str:
     return f"v{version:06d}-{content_sha256[:8]}"
 

@@ -64,7 +64,7 @@ class SimulatedTrainer:
         weights, config = ("model.safetensors", "config.json") if self.update == "full" else \
             ("adapter_model.safetensors", "adapter_config.json")
         save_file({"version": np.array([self.version], dtype=np.int64)}, str(Path(directory) / weights))
-        (Path(directory) / config).write_text(json.dumps({"simulated": True, "version": self.version}))
+        (Path(directory) / config).write_bytes(self._config())
 
     def share_weights(self, keep_from: int) -> dict:
         """trainer.publish = "memory": the version's payload as PolicyTrainer.share_weights gives it.
@@ -75,13 +75,16 @@ class SimulatedTrainer:
 
             from pipeline.engines.shared_weights import adapter_payload
 
-            config = json.dumps({"simulated": True, "version": self.version}).encode()
-            return adapter_payload(self.version, {"version": torch.tensor([self.version])}, config)
+            return adapter_payload(self.version, {"version": torch.tensor([self.version])}, self._config())
         for version in [v for v in self.shared if v < keep_from]:
             del self.shared[version]
         payload = self.shared.setdefault(self.version, {"version": self.version, "checksum": f"{self.version:032x}",
                                                         "simulated": True})
         return dict(payload)
+
+    def _config(self) -> bytes:
+        """The config file of a version of this trainer (adapter_config.json or config.json)."""
+        return json.dumps({"simulated": True, "version": self.version}).encode()
 
     def save_state(self, directory: Path) -> None:
         """trainer.json with the version (and step_s), fsynced: all the state this trainer has."""

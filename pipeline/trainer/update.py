@@ -114,12 +114,11 @@ class LoraUpdate:
         """adapter_config.json + adapter_model.safetensors. peft's save_pretrained writes these two
         files and a README model card, which takes most of its time; the same bytes here: the
         adapter's tensors under peft's saved names, the config peft would write."""
-        from safetensors.torch import save_file
+        from pipeline.store.weights import write_adapter
 
         tensors, config = self.adapter(model)
         if collectives.rank == 0:
-            save_file(tensors, str(Path(directory) / "adapter_model.safetensors"), metadata={"format": "pt"})
-            (Path(directory) / "adapter_config.json").write_bytes(config)
+            write_adapter(Path(directory), tensors, config)
 
     def adapter(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], bytes]:
         """What a version's two files hold: the adapter's tensors under peft's saved names (views of
