@@ -3,6 +3,9 @@
 Invariants:
 - The group is the unit of work: one prompt, n completions, one engine call, one version.
 - `Generation.version` is the adapter version the engine actually sampled with (0 = base model).
+  With in-flight full-weight swaps (pipeline.full_weight_swap = "in_flight") it is the version the
+  group started with and `last_version` the newest whose weights may have sampled any of its tokens;
+  a group whose `last_version` differs is not one version's sample (`spans_versions`).
 - For every completion, `len(token_ids) == len(logprobs)`; `logprobs[t]` is the log-probability
   of `token_ids[t]` under the distribution the engine sampled it from.
 - These objects are immutable by convention: arrays are never written after construction.
@@ -110,6 +113,14 @@ class Generation:
     engine: str  # which engine produced it
     t_start: float  # time.monotonic() when the engine started the request
     t_end: float
+    # in-flight swaps: the newest version whose weights the engine took while the group ran (or held
+    # when it started); None: every token was sampled with `version` (engines that drain first)
+    last_version: int | None = None
+
+    @property
+    def spans_versions(self) -> bool:
+        """Whether weights other than `version`'s may have sampled some of the tokens (an in-flight swap)."""
+        return self.last_version is not None and self.last_version != self.version
 
     @property
     def num_tokens(self) -> int:

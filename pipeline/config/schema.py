@@ -482,6 +482,7 @@ class PipelineConfig:
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for tasks before giving up
     checkpoint_every: int = 10  # steps between checkpoints (also one at the end and on SIGINT/SIGTERM); 0 = those only
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    full_weight_swap: Literal["drain", "in_flight"] = "drain"  # trainer.update = "full": drain = groups in flight finish on the old weights before a load (a group is one version's sample); in_flight = they go on with the new ones at once (vLLM recomputes their KV cache), labelled with the version they started with (docs/full-weights.md)
     checkpoint_behind: bool = True  # the trainer writes a checkpoint's state while the next steps run (a copy in host memory meanwhile); false = the loop waits for it
     switch_interval_ms: float = 0.25  # Python's GIL switch interval during a run (0 = leave it): the loop waits less for a worker thread
     gc_threshold: int = 100_000  # allocations between young-generation GC passes during a run (0 = leave Python's 700)
@@ -578,6 +579,8 @@ class RunConfig:
         if self.engine.kind == "vllm_server" and self.trainer.update == "full":
             raise ConfigError('trainer.update = "full" is not supported by engine.kind = "vllm_server" (a server '
                               'reloads LoRA adapters at run time, not whole weights); use engine.kind = "vllm"')
+        if self.pipeline.full_weight_swap == "in_flight":
+            _check_in_flight_swaps(self)
         if self.engine.kind == "vllm" and self.engine.vllm.max_lora_rank < self.trainer.lora_rank:
             raise ConfigError(f"engine.vllm.max_lora_rank ({self.engine.vllm.max_lora_rank}) must be >= "
                               f"trainer.lora_rank ({self.trainer.lora_rank}), or vLLM cannot load the adapters")
@@ -588,6 +591,21 @@ class RunConfig:
         ):
             raise ConfigError("sampling penalties are not supported by engine.kind = \"transformers\"; "
                               "use engine.kind = \"vllm\" or leave them off")
+
+
+def _check_in_flight_swaps(cfg: RunConfig) -> None:
+    """pipeline.full_weight_swap = "in_flight": full weights, on engines that take a version mid-group."""
+    if cfg.trainer.update != "full":
+        raise ConfigError('pipeline.full_weight_swap = "in_flight" is how full-weight versions replace the last '
+                          'one; with trainer.update = "lora" every version loads beside the others and nothing '
+                          'drains: set trainer.update = "full" or leave full_weight_swap = "drain"')
+    if cfg.engine.kind not in ("vllm", "simulated"):
+        raise ConfigError(f'pipeline.full_weight_swap = "in_flight" needs engine.kind = "vllm" (its scheduler '
+                          f'pauses the groups in flight and recomputes their KV cache with the new weights), got '
+                          f'{cfg.engine.kind!r}; use full_weight_swap = "drain"')
+    if cfg.deterministic:
+        raise ConfigError('deterministic = true cannot be combined with pipeline.full_weight_swap = "in_flight": '
+                          "where a group's version changes depends on timing")
 
 
 def _check_deterministic(cfg: RunConfig) -> None:

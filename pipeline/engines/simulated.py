@@ -23,6 +23,10 @@ Full-weight updates (`full_weights=True`): the engine holds one version, as a GP
 one copy of the weights. A call for any other version raises GenerationError, and loading
 another version while any call runs raises GenerationError too: the orchestrator drains before
 it loads, so a test that sees this error has found a group that would straddle two versions.
+With `in_flight=True` (pipeline.full_weight_swap = "in_flight") a load is taken while calls run, as
+vLLM takes one mid-generation: a call may ask for the version held or an older one, and each
+Generation's `last_version` is the version held when it finished (the tokens come from the
+version asked for: the synthetic policy is the same in every version).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ class SimulatedEngine:
     """An engine that waits instead of computing."""
 
     def __init__(self, cfg: SimulatedEngineConfig | None = None, *, seed: int = 0, name: str = "simulated-0",
-                 eos_token_id: int = 0, full_weights: bool = False) -> None:
+                 eos_token_id: int = 0, full_weights: bool = False, in_flight: bool = False) -> None:
         self.cfg = cfg or SimulatedEngineConfig()
         self.name = name
         self.seed = seed
@@ -68,6 +72,7 @@ class SimulatedEngine:
         self.full_weights = full_weights
         self._weights = AdapterRef.base()  # full-weight mode: the one version held
         self._calls = 0  # full-weight mode: generate / generate_many calls running
+        self.in_flight = in_flight  # full-weight mode: a load is taken while calls run
 
     @property
     def max_context(self) -> int | None:
@@ -212,7 +217,7 @@ class SimulatedEngine:
         self._check_not_closed_since(closes, request.group_id)
         self.stats["tokens"] += sum(len(c.token_ids) for c in completions)
         return Generation(request, completions, version=adapter.version, engine=self.name,
-                          t_start=t_start, t_end=time.monotonic())
+                          t_start=t_start, t_end=time.monotonic(), last_version=self._last_version())
 
     async def generate_many(self, requests: Sequence[GroupRequest],
                             adapter: AdapterRef) -> list[Generation | Exception]:
@@ -259,7 +264,8 @@ class SimulatedEngine:
                         continue
                     completions = next(made)
                     self.stats["tokens"] += len(completions) * len(completions[0].token_ids) if completions else 0
-                    out.append(Generation(r, completions, adapter.version, self.name, t_start, t_end))
+                    out.append(Generation(r, completions, adapter.version, self.name, t_start, t_end,
+                                          last_version=self._last_version()))
         except asyncio.CancelledError:
             self.stats["cancelled"] += len(requests)
             raise
@@ -300,7 +306,7 @@ class SimulatedEngine:
         if self._closed:
             raise EngineDeadError(f"engine {self.name} is closed")
         held = self._weights
-        if not same_version(held, adapter):
+        if not (same_version(held, adapter) or self.in_flight and adapter.version <= held.version):
             raise GenerationError(f"engine {self.name} holds the full weights of version {held.version} "
                                   f"({held.name}); groups {[r.group_id for r in requests]} asked for version "
                                   f"{adapter.version} ({adapter.name})")
@@ -310,6 +316,10 @@ class SimulatedEngine:
         finally:
             self._calls -= 1
 
+    def _last_version(self) -> int | None:
+        """In-flight swaps: the version held as a call finishes (None otherwise: the call's own)."""
+        return self._weights.version if self.full_weights and self.in_flight else None
+
     def _swap_weights(self, adapter: AdapterRef) -> None:
         """Full-weight mode: hold `adapter`'s version from now on; refused while any call runs."""
         if self._closed:
@@ -317,7 +327,7 @@ class SimulatedEngine:
         held = self._weights
         if same_version(held, adapter):
             return
-        if self._calls:
+        if self._calls and not self.in_flight:
             raise GenerationError(f"engine {self.name}: load of version {adapter.version} while {self._calls} "
                                   f"call(s) still sample with version {held.version}; a full-weight engine "
                                   "holds one version, so its calls must finish (drain) before another loads")

@@ -31,6 +31,16 @@ Invariants (beyond the Engine protocol's):
   for any version but the one loaded (or while a load is under way) raises GenerationError, so a
   group is never sampled with other weights than its label. A failed reload leaves no version
   loaded until a load succeeds (the weights may be half-replaced).
+- In-flight swaps (`in_flight=True`, pipeline.full_weight_swap = "in_flight"): a load does not wait
+  for the requests running. It pauses the scheduler with `mode="keep"` and clears the caches, which
+  preempts every running request (its KV blocks freed), reloads, and resumes: each request
+  recomputes its KV cache from its prompt and the tokens it has so far with the new weights and
+  goes on sampling with them. So every token is sampled, and its log-prob reported, by one
+  version's weights over a context those weights computed. A group may ask for the version held or
+  an older one (the serving version moves only once every engine has loaded); its Generation keeps
+  that version as its label and sets `last_version` to the newest version whose load had begun
+  when it finished (every version of its tokens lies in between). A reload that fails aborts the
+  requests it paused (their next tokens would come from half-replaced weights) before resuming.
 - Cancelling `generate` aborts the vLLM request: `AsyncLLM.generate` aborts on CancelledError
   once its request is queued; this engine aborts again by request id, which also covers a cancel
   that lands while vLLM is still adding the n child requests (before `generate` can abort them).
@@ -194,6 +204,7 @@ class VLLMEngine:
         name: str = "vllm-0",
         seed: int | None = None,
         full_weights: bool = False,
+        in_flight: bool = False,
     ) -> None:
         if max_staleness < 0:
             raise ConfigError(f"pipeline.max_staleness must be >= 0, got {max_staleness}")
@@ -230,8 +241,10 @@ class VLLMEngine:
         self.full_weights = full_weights
         # full-weight mode: the version whose weights vLLM holds (None: unknown after a failed reload)
         self._weights: AdapterRef | None = AdapterRef.base()
-        self._swapping: AdapterRef | None = None  # the version being loaded; no request starts meanwhile
+        self._swapping: AdapterRef | None = None  # the version being loaded; no request starts meanwhile (drain)
         self._swap_lock = asyncio.Lock()
+        self.in_flight = in_flight  # full weights: a load pauses and resumes the requests running, not waits for them
+        self._taken = 0  # in-flight: the version whose load began last (its weights may sample any token since)
 
     # ------------------------------------------------------------------ public API
 
@@ -373,6 +386,7 @@ class VLLMEngine:
         self._closed = False
         self._residency = self._new_residency()
         self._weights = AdapterRef.base()  # a new AsyncLLM starts from the base model's weights
+        self._taken = 0
         self._swapping = None
         self._running = set()
         self._loop = None
@@ -565,17 +579,22 @@ class VLLMEngine:
             completions.append(Completion(token_ids=token_ids, logprobs=sampled_logprobs(c.token_ids, c.logprobs),
                                           finish_reason=_FINISH_REASONS.get(reason, reason)))
         return Generation(request=request, completions=tuple(completions), version=adapter.version,
-                          engine=self.name, t_start=t_start, t_end=time.monotonic())
+                          engine=self.name, t_start=t_start, t_end=time.monotonic(),
+                          last_version=self._taken if self.full_weights and self.in_flight else None)
 
     # ------------------------------------------------------------------ full weights
 
     def _check_weights(self, request: GroupRequest, adapter: AdapterRef) -> None:
         held = self._weights
-        if self._swapping is not None or not same_version(held, adapter):
-            now = ("no version (a weight reload failed)" if held is None else f"version {held.version}") + (
-                f", loading version {self._swapping.version}" if self._swapping is not None else "")
-            raise GenerationError(f"engine {self.name} holds full weights of {now}; group {request.group_id} "
-                                  f"asked for version {adapter.version}")
+        if self.in_flight:  # the version held (or being loaded) or an older one: the label is the oldest
+            if held is not None and adapter.version <= max(held.version, self._taken):
+                return
+        elif self._swapping is None and same_version(held, adapter):
+            return
+        now = ("no version (a weight reload failed)" if held is None else f"version {held.version}") + (
+            f", loading version {self._swapping.version}" if self._swapping is not None else "")
+        raise GenerationError(f"engine {self.name} holds full weights of {now}; group {request.group_id} "
+                              f"asked for version {adapter.version}")
 
     async def _load_weights(self, adapter: AdapterRef) -> None:
         """Replace the weights with `adapter`'s (its directory, its shared buffer, or the base model for version 0)."""
@@ -591,13 +610,25 @@ class VLLMEngine:
             self._swapping = adapter
             t0 = time.monotonic()
             try:
-                while self._running:  # the orchestrator drains first; a caller that did not waits here
-                    await asyncio.sleep(0.01)
-                self._weights = None
-                # pausing also clears the prefix cache: KV blocks of the old weights must not be reused
-                await self._llm.pause_generation(mode="wait")
+                if self.in_flight:
+                    self._taken = adapter.version  # set before the pause: any token sampled after it may be this version's
+                    # "keep" stops the running requests where they are; clearing the caches preempts them (their
+                    # KV blocks, computed with the old weights, are dropped and recomputed on resume)
+                    await self._llm.pause_generation(mode="keep", clear_cache=True)
+                else:
+                    while self._running:  # the orchestrator drains first; a caller that did not waits here
+                        await asyncio.sleep(0.01)
+                    self._weights = None
+                    # pausing also clears the prefix cache: KV blocks of the old weights must not be reused
+                    await self._llm.pause_generation(mode="wait")
                 try:
                     await self._llm.collective_rpc(method, **call)
+                except BaseException:
+                    self._weights = None
+                    if self.in_flight and self._running:  # their next tokens would come from half-replaced weights
+                        with contextlib.suppress(Exception):
+                            await self._llm.abort(list(self._running))
+                    raise
                 finally:
                     await self._llm.resume_generation()
             except Exception as e:

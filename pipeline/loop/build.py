@@ -236,6 +236,7 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
     started), of engine.kind. Launched servers write their logs under run_dir/servers/."""
     K = cfg.pipeline.max_staleness
     full = cfg.trainer.update == "full"
+    in_flight = full and cfg.pipeline.full_weight_swap == "in_flight"
     offset = 1009 * start_step  # a resumed run samples afresh, not the first session's draws
     if cfg.engine.kind == "vllm_server" and cfg.engine.vllm_server.launch:
         return launched_servers(cfg, model_path, Path(run_dir or ".") / "servers", seed=cfg.engine.vllm.seed + offset)
@@ -249,7 +250,8 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
         from pipeline.engines.simulated import SimulatedEngine
 
         make = lambda i, dev: SimulatedEngine(cfg.engine.simulated, seed=cfg.seed + offset + i,
-                                                             name=f"simulated-{i}", full_weights=full)
+                                                             name=f"simulated-{i}", full_weights=full,
+                                                             in_flight=in_flight)
     elif cfg.engine.kind == "transformers":
         from pipeline.engines.transformers import TransformersEngine
 
@@ -266,7 +268,8 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
         vcfg = vllm_config(cfg)
         make = lambda i, dev: VLLMEngine(model_path, sampling=cfg.sampling, cfg=vcfg, device=dev,
                                                    max_staleness=K, name=f"vllm-{i}",
-                                                   seed=cfg.engine.vllm.seed + offset + i, full_weights=full)
+                                                   seed=cfg.engine.vllm.seed + offset + i, full_weights=full,
+                                                   in_flight=in_flight)
     return [make(i, dev) for i, dev in enumerate(cfg.engine.devices)]
 
 

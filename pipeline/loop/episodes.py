@@ -114,6 +114,7 @@ class Episodes:
         """The group's n episodes to their ends; a Generation of one completion per episode."""
         t_start = time.monotonic()
         episodes: list[_Episode] = []
+        turns: list[Generation] = []  # every turn's answer (their versions: what the episode's tokens span)
         try:
             runners = await asyncio.gather(*(EnvRunner.open(self.factory, step_timeout_s=self.cfg.step_timeout_s)
                                              for _ in range(request.n)), return_exceptions=True)
@@ -127,6 +128,7 @@ class Episodes:
                                f"the episode's budget of {self.budget}", reason="env_prompt_too_long")
             first = GroupRequest(request.group_id, prompt, request.n, self._room(prompt, 0), request.seed, turn=0)
             gen = await self._call(engine, [first], adapter)
+            turns += gen
             for ep, c in zip(episodes, gen[0].completions):
                 ep.add(c)
             while True:
@@ -140,13 +142,16 @@ class Episodes:
                                          None if request.seed is None else
                                          (request.seed * 31 + turn * 1009 + ep.index) % 2**31, turn=turn)
                             for ep in live]
-                for ep, g in zip(live, await self._call(engine, requests, adapter)):
+                answers = await self._call(engine, requests, adapter)
+                turns += answers
+                for ep, g in zip(live, answers):
                     ep.add(g.completions[0])
         finally:
             await asyncio.gather(*(ep.env.close() for ep in episodes))
         return Generation(GroupRequest(request.group_id, prompt, request.n, request.max_new_tokens, request.seed),
                           tuple(ep.completion() for ep in episodes), version=adapter.version, engine=engine.name,
-                          t_start=t_start, t_end=time.monotonic())
+                          t_start=t_start, t_end=time.monotonic(),
+                          last_version=max((g.last_version for g in turns if g.last_version is not None), default=None))
 
     async def _start(self, row_prompt: Prompt, episodes: list[_Episode]) -> tuple[Prompt, _Framing]:
         """Reset every episode's environment on the row: their common first observation as the prompt

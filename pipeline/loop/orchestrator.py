@@ -254,7 +254,8 @@ class Pipeline:
                                        close_timeout_s=pc.shutdown_timeout_s, spawn=self.supervisor.spawn,
                                        in_use=version_set)
         self.versions = Versions(rotation=self.rotation, version_set=version_set, store=self.store, buffer=self.buffer,
-                                 pins=pins, max_staleness=pc.max_staleness, full_weights=cfg.trainer.update == "full")
+                                 pins=pins, max_staleness=pc.max_staleness, full_weights=cfg.trainer.update == "full",
+                                 in_flight=pc.full_weight_swap == "in_flight")
         self.trainer = self._user_trainer or build.build_trainer(cfg, self.model_path, self._early_trainer)
         self.setup.update(await build.start(self.engines, self.trainer, cfg.engine.start_timeout_s))
         self.tokenizer, self.setup["tokenizer_s"] = await tokenizing

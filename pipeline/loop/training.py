@@ -358,9 +358,10 @@ class Training:
 
     async def _logprob_check(self, batch: Batch) -> dict[str, float]:
         """Recompute the trainer's log-probs of a few groups (under their own versions) against the
-        engine's, over the tokens the policy sampled (`sampled_logprob_pairs`)."""
+        engine's, over the tokens the policy sampled (`sampled_logprob_pairs`). Groups an in-flight
+        swap carried across versions are not one version's sample: they are left out."""
         pc = self.cfg.pipeline
-        groups = list(batch.groups)[:pc.logprob_check_groups]
+        groups = [g for g in batch.groups if not g.generation.spans_versions][:pc.logprob_check_groups]
         if not groups:
             return {}
         try:

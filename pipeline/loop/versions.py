@@ -4,7 +4,9 @@ The trainer publishes each version into the adapter store; the adapter loop veri
 against its manifest, has every engine in rotation load it, and only then makes it the serving
 version that admission samples with. How a version replaces the last on an engine is a swap
 strategy: LoRA adapters load beside the ones in use (`LoraSwap`); full weights replace them, so
-the groups in flight and any evaluation round finish first (`FullWeightSwap`).
+the groups in flight and any evaluation round finish first (`FullWeightSwap`), or only the
+evaluation rounds do and the groups go on with the new weights (`InFlightSwap`,
+pipeline.full_weight_swap = "in_flight").
 
 Built in data-flow order, each given what it uses: `VersionSet` (the versions published and not
 pruned, the serving one, those in use) first, then the `EngineRotation` (which reads from it what
@@ -17,7 +19,10 @@ Invariants:
 - A version stays loaded (and on disk) while a group in flight, an evaluation round, or the
   staleness bound may still ask for it; older ones are unloaded and pruned.
 - In full-weight mode every engine holds the same one version: a load that fails is undone by
-  loading the served version again, and a group is never sampled across two versions.
+  loading the served version again. A group is never sampled across two versions, except with
+  in-flight swaps, where it is labelled with the version it started with and its Generation's
+  `last_version` names the newest one that may have sampled its tokens. An evaluation round is
+  always one version's.
 """
 
 from __future__ import annotations
@@ -157,18 +162,41 @@ class FullWeightSwap:
         await self.pins.release_swaps()
 
 
+class InFlightSwap:
+    """Whole weights taken mid-generation: the groups in flight go on with the new weights (the engine
+    recomputes their context with them); only evaluation rounds, which score one version, finish first."""
+
+    def __init__(self, *, pins: VersionPins, rotation: EngineRotation) -> None:
+        self.pins = pins  # evaluation rounds finish before a load, and none starts during it
+        self.rotation = rotation  # after a failed load, the engines load the served weights again
+        self.drain_s: dict[int, float] = {}  # version -> seconds the load waited for evaluation rounds
+
+    async def before_load(self, version: int) -> None:
+        t_wait = time.monotonic()
+        await self.pins.hold_swaps()
+        self.drain_s[version] = time.monotonic() - t_wait
+
+    async def after_failed_load(self, served: AdapterRef) -> None:
+        await self.rotation.load_on_engines(served)
+        await self.pins.release_swaps()
+
+    async def after_serving(self) -> None:
+        await self.pins.release_swaps()
+
+
 class Versions:
     """The published versions, the one engines serve, and the loop that moves it."""
 
     def __init__(self, *, rotation: EngineRotation, version_set: VersionSet, store: AdapterStore, buffer: RolloutBuffer,
-                 pins: VersionPins, max_staleness: int, full_weights: bool) -> None:
+                 pins: VersionPins, max_staleness: int, full_weights: bool, in_flight: bool = False) -> None:
         self.rotation = rotation  # the engines that load each version
         self.set = version_set  # what is published, served and in use
         self.store = store
         self.buffer = buffer  # told each new serving version
         self.max_staleness = max_staleness
-        self.swap: SwapStrategy = (FullWeightSwap(buffer=buffer, pins=pins, rotation=rotation) if full_weights
-                                   else LoraSwap())
+        self.swap: SwapStrategy = (LoraSwap() if not full_weights
+                                   else InFlightSwap(pins=pins, rotation=rotation) if in_flight
+                                   else FullWeightSwap(buffer=buffer, pins=pins, rotation=rotation))
         self.publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
         # where a version's publish-to-loaded went: version -> seconds the adapter loop took to get to

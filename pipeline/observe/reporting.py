@@ -120,6 +120,8 @@ class Reporting:
         }
         if self.full_weights:  # how long admission waited for the drain before the load
             row["adapter/drain_s"] = self.versions.drain_s.get(ref.version - 1, float("nan"))
+            # in-flight swaps: the batch's groups whose tokens a newer version's weights sampled in part
+            row["rollout/spanning_versions"] = sum(g.generation.spans_versions for g in batch.groups)
         parts = [g.reward_parts for g in batch.groups if g.reward_parts is not None]
         if len(parts) == len(batch.groups):  # each function's own mean, beside the weighted reward_mean
             means = np.concatenate(parts, axis=1).mean(axis=1)
@@ -202,6 +204,7 @@ class Reporting:
             "publish_to_loaded_s_p99": float(np.percentile(list(versions.publish_to_loaded.values()), 99))
             if versions.publish_to_loaded else None,
             "drain_s_mean": float(np.mean(list(versions.drain_s.values()))) if versions.drain_s else None,
+            "groups_spanning_versions": sum(r.get("rollout/spanning_versions", 0) for r in rows),
             "loop_lag_p99_ms": self.lag.percentile_ms(99),
             "version_mismatches": self.version_mismatches.value,
             "error": repr(error) if error is not None and not isinstance(error, asyncio.CancelledError) else None,

@@ -327,3 +327,26 @@ def test_simulated_engine_without_full_weights_serves_any_version() -> None:
         await engine.close()
 
     asyncio.run(main())
+
+
+def test_simulated_engine_with_in_flight_swaps_takes_a_load_mid_call_and_names_it() -> None:
+    """in_flight: a load while a call runs is taken; the call keeps the version it asked for as its label
+    and names the newer one it ended on; a call for an older version than held is served, a newer one not."""
+    async def main() -> None:
+        engine = SimulatedEngine(SimulatedEngineConfig(latency_s=0.05, completion_tokens=4), full_weights=True,
+                                 in_flight=True)
+        await engine.start()
+        await engine.load_adapter(_ref(1))
+        running = asyncio.create_task(engine.generate(_request(0, "a"), _ref(1)))
+        await asyncio.sleep(0.01)
+        await engine.load_adapter(_ref(2))  # mid-call
+        gen = await running
+        assert (gen.version, gen.last_version, gen.spans_versions) == (1, 2, True)
+        older = await engine.generate(_request(1, "a"), _ref(1))  # the serving version may lag the engine's
+        assert (older.version, older.last_version) == (1, 2)
+        same = (await engine.generate_many([_request(2, "a")], _ref(2)))[0]
+        assert (same.version, same.last_version, same.spans_versions) == (2, 2, False)
+        with pytest.raises(GenerationError, match="asked for version 3"):
+            await engine.generate(_request(3, "a"), _ref(3))
+
+    asyncio.run(main())

@@ -207,13 +207,54 @@ def test_a_version_shared_in_gpu_memory_is_the_one_sampled(env: Env) -> None:
     del packed
 
 
-@pytest.mark.parametrize("publish", ["files", "memory"])
-def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env, tmp_path: Path, publish: str) -> None:
+def test_an_in_flight_swap_samples_each_token_with_the_weights_held_when_it_was_sampled(env: Env) -> None:
+    """in_flight: version 2 loads while a long group of version 1 runs. The group keeps label 1 and
+    names 2 as its last version; in each completion the tokens before one point are version 1's
+    samples and those after it version 2's, with version 2's log-probs over a context version 2
+    recomputed (the recomputation runs each version over the whole sequence)."""
+    env.run(env.engine.load_adapter(env.refs[1]))
+
+    async def swap_mid_group() -> Generation:
+        running = asyncio.ensure_future(env.engine.generate(group(8000, n=8, max_new_tokens=1024), env.refs[1]))
+        await asyncio.sleep(0.2)
+        assert not running.done(), "the group ended before the swap: make it longer"
+        await env.engine.load_adapter(env.refs[2])
+        return await running
+
+    env.engine.in_flight = True
+    try:
+        gen = env.run(swap_mid_group())
+    finally:
+        env.engine.in_flight = False
+    assert (gen.version, gen.last_version, gen.spans_versions) == (1, 2, True)
+    assert env.engine.loaded_versions == (2,)
+    before, after = env.recompute(1, gen), env.recompute(2, gen)
+    splits, spans = [], []
+    for c, lp1, lp2 in zip(gen.completions, before, after):
+        d1, d2 = np.abs(c.logprobs - lp1), np.abs(c.logprobs - lp2)
+        # the split that explains the completion best: version 1 before it, version 2 from it on
+        cost = np.concatenate([[0.0], np.cumsum(d1)]) + np.concatenate([np.cumsum(d2[::-1])[::-1], [0.0]])
+        s = int(np.argmin(cost))
+        if s >= 16 and len(c.logprobs) - s >= 16:  # long enough on both sides to tell the versions apart
+            splits.append(s)
+            spans.append((float(d1[:s].mean()), float(d2[:s].mean()), float(d2[s:].mean()), float(d1[s:].mean())))
+    assert len(splits) >= 2, f"too few completions ran across the swap: {[len(c.logprobs) for c in gen.completions]}"
+    assert max(splits) - min(splits) <= 2, splits  # the group's completions decode in step: one swap point
+    for own_before, other_before, own_after, other_after in spans:
+        assert own_before < VLLM_MEAN_ABS_DLOGPROB and own_before < VERSION_SEPARATION * other_before, spans
+        assert own_after < VLLM_MEAN_ABS_DLOGPROB and own_after < VERSION_SEPARATION * other_after, spans
+
+
+@pytest.mark.parametrize("publish,swap", [("files", "drain"), ("memory", "drain"), ("memory", "in_flight")])
+def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env, tmp_path: Path, publish: str,
+                                                                       swap: str) -> None:
     """A whole run with trainer.update = "full": vLLM and the trainer share GPU 0, K = 1, each version
-    through files or through the trainer's GPU memory (trainer.publish).
+    through files or through the trainer's GPU memory (trainer.publish), the groups in flight drained
+    before each load or carried across it (pipeline.full_weight_swap).
 
     Every check (each second step) recomputes the trainer's log-probs of groups under the version
-    that sampled them; if the engine had kept older weights, they would disagree more and more.
+    that sampled them (with in-flight swaps, only groups no swap reached); if the engine had kept
+    older weights, they would disagree more and more.
     """
     from pipeline.config.io import load_config
     from pipeline.loop.orchestrator import Pipeline
@@ -225,24 +266,30 @@ def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env,
         "engine.vllm.enforce_eager": True, "engine.vllm.gpu_memory_utilization": 0.3,
         "engine.vllm.max_model_len": 512, "pipeline.steps": steps, "pipeline.batch_groups": 8,
         "pipeline.max_staleness": 1, "pipeline.logprob_check_every": 2, "sampling.n": 4, "log.progress": False,
-        "trainer.publish": publish})
+        "trainer.publish": publish, "pipeline.full_weight_swap": swap})
     p = Pipeline(cfg, console=False)
     summary = env.run(p.run())
+    checks = [r["check/mean_abs_diff"] for r in p.metrics_rows if "check/mean_abs_diff" in r]
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        name = publish if swap == "drain" else f"{publish}_{swap}"
+        (Path(out) / f"vllm_full_weights_run_{name}.json").write_text(json.dumps({
+            "summary": summary, "checks_mean_abs_diff": checks, "publish_s": [r.get("time/publish_s") for r in p.metrics_rows],
+            "drain_s": [r.get("adapter/drain_s") for r in p.metrics_rows],
+            "publish_to_loaded_s": [r.get("adapter/publish_to_loaded_s") for r in p.metrics_rows],
+            "spanning_versions": [r.get("rollout/spanning_versions") for r in p.metrics_rows],
+        }, indent=1, default=str) + "\n")
     assert summary["error"] is None and summary["accounting_ok"] and summary["steps"] == steps, summary
     assert summary["staleness_max"] <= 1
     assert summary["drain_s_mean"] is not None
-    checks = [r["check/mean_abs_diff"] for r in p.metrics_rows if "check/mean_abs_diff" in r]
     assert len(checks) >= 3, p.metrics_rows
     assert max(checks) < VLLM_MEAN_ABS_DLOGPROB, checks
+    if swap == "in_flight":  # groups ran across swaps, and none of them failed for it
+        assert summary["groups_spanning_versions"] > 0 and summary["groups_failed"] == {}, summary
+    else:
+        assert summary["groups_spanning_versions"] == 0, summary
     published = sorted(Path(tmp_path / "run" / "adapters").glob("v*/model*.safetensors"))
     assert published, "full-weight versions are model directories"
     if publish == "memory":  # no version went through the disk but the last, written at the end
         assert [d.parent.name[:7] for d in published] == [f"v{steps:06d}"], published
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"vllm_full_weights_run_{publish}.json").write_text(json.dumps({
-            "summary": summary, "checks_mean_abs_diff": checks, "publish_s": [r.get("time/publish_s") for r in p.metrics_rows],
-            "drain_s": [r.get("adapter/drain_s") for r in p.metrics_rows],
-            "publish_to_loaded_s": [r.get("adapter/publish_to_loaded_s") for r in p.metrics_rows],
-        }, indent=1, default=str) + "\n")

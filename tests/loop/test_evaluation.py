@@ -113,10 +113,13 @@ def test_a_version_stays_loaded_until_its_rounds_last_call_returns(tmp_path) -> 
     assert summary["accounting_ok"]
 
 
-def test_eval_with_full_weight_updates_never_samples_across_a_swap(tmp_path) -> None:
-    engine = SlowEvalEngine(SimulatedEngineConfig(completion_tokens=4), name="slow-eval", full_weights=True)
+@pytest.mark.parametrize("swap", ["drain", "in_flight"])
+def test_eval_with_full_weight_updates_never_samples_across_a_swap(tmp_path, swap) -> None:
+    """An eval round scores one version: a swap waits for it, whether training groups drain or not."""
+    engine = SlowEvalEngine(SimulatedEngineConfig(completion_tokens=4), name="slow-eval", full_weights=True,
+                            in_flight=swap == "in_flight")
     p, summary = _run(tmp_path, engines=[engine], steps=8, **{"trainer.update": "full", "engine.retries": 0,
-                                                               "eval.every": 1})
+                                                               "eval.every": 1, "pipeline.full_weight_swap": swap})
     rows = _eval_rows(p)
     assert [r["step"] for r in rows] == list(range(9)) and all(r["eval/failed"] == 0 for r in rows), rows
     assert summary["accounting_ok"] and summary["version_mismatches"] == 0

@@ -193,3 +193,77 @@ def test_a_lora_run_hands_each_adapter_to_the_transformers_engine_in_the_steps_r
     assert sorted(checks) == [1, 3, 5] and max(checks.values()) < 1e-4, checks  # float32 both sides
     store = AdapterStore(p.run_dir / "adapters", base_model="", kind="lora", readonly=True)
     assert store.versions() == [6]
+
+
+# --------------------------------------------------------------------------- pipeline.full_weight_swap = "in_flight"
+
+
+class CheckedGroups(SimulatedTrainer):
+    """Notes the groups each log-prob check recomputes."""
+
+    checked: list = []
+
+    def recompute_logprobs(self, groups):
+        self.checked = [*self.checked, *groups]
+        return super().recompute_logprobs(groups)
+
+
+def in_flight_config(tmp_path, K: int, steps: int, **extra):
+    # a group takes 5 trainer steps' time: every swap lands while groups run
+    return sim_config(tmp_path, K=K, B=3, n=2, steps=steps, latency=0.02, concurrency=3, step_s=0.004,
+                      **{"trainer.update": "full", "pipeline.full_weight_swap": "in_flight",
+                         "engine.devices": ["cpu", "cpu"], "pipeline.logprob_check_every": 1, **extra})
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_in_flight_swaps_load_each_version_while_groups_run_and_label_them_with_their_first(tmp_path, monkeypatch, K):
+    """No admission pause and no drain: the engines take each version while their groups run; such a
+    group keeps the version it started with as its label (its staleness counts from there, within K)
+    and names the newer one it ended on; the log-prob checks take only groups of one version."""
+    from pipeline.loop.buffer import RolloutBuffer
+
+    def no_pause(self):
+        raise AssertionError("admission paused for a drain")
+
+    monkeypatch.setattr(RolloutBuffer, "pause_admission", no_pause)
+    loads_while_running = []
+    swap = SimulatedEngine._swap_weights
+
+    def noted(self, adapter):
+        loads_while_running.append(self._calls)
+        swap(self, adapter)
+
+    monkeypatch.setattr(SimulatedEngine, "_swap_weights", noted)
+    trainer = CheckedGroups(step_s=0.004, update="full")
+    p = Pipeline(in_flight_config(tmp_path, K, steps=12), prompts=PROMPTS * 2, reward=length_reward, trainer=trainer,
+                 tokenizer=False, console=False)
+    summary = p.run_sync()
+    assert summary["error"] is None and summary["steps"] == 12, summary
+    assert summary["groups_failed"] == {} and summary["generation_retries"] == 0, summary
+    assert_accounted(p, summary)
+    assert max(loads_while_running) > 0, loads_while_running  # versions were taken mid-group
+    rows = read_jsonl(p.run_dir / "metrics.jsonl")
+    spanning = summary["groups_spanning_versions"]
+    assert spanning == sum(r["rollout/spanning_versions"] for r in rows) > 0, rows
+    assert summary["staleness_max"] <= K  # counted from each group's first version
+    for r in rows:
+        assert r["staleness_max"] <= K
+    assert trainer.checked and not any(g.generation.spans_versions for g in trainer.checked)
+    assert all(g.generation.last_version >= g.version for g in trainer.checked)
+
+
+def test_a_drained_full_weight_run_has_no_group_spanning_versions(tmp_path):
+    p, summary = run(in_flight_config(tmp_path, 1, steps=8, **{"pipeline.full_weight_swap": "drain"}),
+                     prompts=PROMPTS * 2)
+    assert summary["error"] is None and summary["groups_spanning_versions"] == 0, summary
+    assert all(r["rollout/spanning_versions"] == 0 for r in read_jsonl(p.run_dir / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"trainer.update": "lora"}, 'with trainer.update = "lora" every version loads beside the others'),
+    ({"engine.kind": "transformers"}, 'needs engine.kind = "vllm" .*got \'transformers\''),
+    ({"deterministic": True}, "deterministic = true cannot be combined with pipeline.full_weight_swap"),
+])
+def test_in_flight_swaps_without_what_they_need_are_refused_naming_the_key(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        in_flight_config(tmp_path, 1, steps=2, **override)
