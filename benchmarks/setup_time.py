@@ -104,7 +104,12 @@ def trl_settings(config: str | None, overrides: Sequence[str], model_path: str) 
     """The run's settings that TRL's side takes, from the resolved config of ours."""
     from pipeline.config.io import load_config, parse_override
 
-    cfg = load_config(config, {".".join(key): value for key, value in map(parse_override, overrides)})
+    return trl_settings_of(load_config(config, {".".join(key): value for key, value in map(parse_override, overrides)}),
+                           model_path)
+
+
+def trl_settings_of(cfg: Any, model_path: str) -> dict[str, Any]:
+    """What TRL's side takes from a resolved RunConfig of ours (full weights: TRL without a peft config)."""
     if cfg.engine.kind != "vllm" or len(cfg.engine.devices) != 1:
         raise SystemExit("error: --trl compares one in-process vLLM engine (engine.kind = \"vllm\", one device)")
     t = cfg.trainer
@@ -113,7 +118,7 @@ def trl_settings(config: str | None, overrides: Sequence[str], model_path: str) 
             cfg.pipeline.batch_groups * cfg.sampling.n, "lr": t.lr, "lora_rank": t.lora_rank,
             "lora_alpha": t.lora_alpha, "bf16": t.dtype == "bfloat16",
             "gpu_memory_utilization": cfg.engine.vllm.gpu_memory_utilization,
-            "max_model_len": cfg.engine.vllm.max_model_len, "seed": cfg.seed}
+            "max_model_len": cfg.engine.vllm.max_model_len, "seed": cfg.seed, "update": t.update}
 
 
 def trl_child(call_path: str) -> None:
@@ -147,28 +152,36 @@ def trl_child(call_path: str) -> None:
         vllm_max_model_length=st["max_model_len"], report_to="none", save_strategy="no", logging_steps=1,
         disable_tqdm=True, gradient_checkpointing=False, log_completions=False)
     t0 = time.monotonic()
+    lora = LoraConfig(r=st["lora_rank"], lora_alpha=st["lora_alpha"], lora_dropout=0.0, target_modules="all-linear",
+                      bias="none", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=st["model_path"], reward_funcs=length, args=targs, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(st["model_path"]),
-                          peft_config=LoraConfig(r=st["lora_rank"], lora_alpha=st["lora_alpha"], lora_dropout=0.0,
-                                                 target_modules="all-linear", bias="none", task_type="CAUSAL_LM"),
+                          peft_config=None if st.get("update") == "full" else lora,  # full: every weight, synced in memory
                           callbacks=[Steps()])
     t_built = time.monotonic()
     trainer.train()
     t_trained = time.monotonic()
     Path(call["result"]).write_text(json.dumps({
         "imports_s": t_imported - t_process, "setup_s": t_built - t0, "steps_s": t_trained - t_built,
-        "first_step_s": step_ends[0] - t_built if step_ends else None, "steps": len(step_ends)}))
+        "first_step_s": step_ends[0] - t_built if step_ends else None, "steps": len(step_ends),
+        "step_ends_s": [t - t_built for t in step_ends]}))
 
 
 def trl_run(args: argparse.Namespace, scratch: Path, index: int, settings: dict[str, Any]) -> dict[str, Any]:
     """TRL's set-up once, in a child process, its compile caches under scratch/trl-caches."""
+    return run_trl_child(settings, args.steps, scratch, index, args.timeout_s)
+
+
+def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: int, timeout_s: float) -> dict[str, Any]:
+    """TRL's GRPOTrainer for `steps` steps in a child process (`trl_child`), its compile caches under
+    scratch/trl-caches (run 0 cold, later ones warm); its timings."""
     from pipeline.engines.vllm_launch import free_port
 
     caches = scratch / "trl-caches"
     out = scratch / f"trl-run-{index}"
     out.mkdir(parents=True, exist_ok=True)
     call, result = out / "call.json", out / "result.json"
-    call.write_text(json.dumps({"settings": settings, "steps": args.steps, "out_dir": str(out / "trainer"),
+    call.write_text(json.dumps({"settings": settings, "steps": steps, "out_dir": str(out / "trainer"),
                                 "result": str(result)}))
     env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
            "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1",
@@ -177,7 +190,7 @@ def trl_run(args: argparse.Namespace, scratch: Path, index: int, settings: dict[
            "MASTER_PORT": str(free_port())}
     t0 = time.monotonic()
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-child", str(call)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=args.timeout_s)
+                          env=env, capture_output=True, text=True, timeout=timeout_s)
     process_s = time.monotonic() - t0
     if proc.returncode != 0 or not result.is_file():
         raise SystemExit(f"error: TRL run {index} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")

@@ -69,7 +69,8 @@ How the figures are measured:
 
 Writes <out>/throughput_vs_staleness_<engine>_<shape>_<hardware>.json and .png (one pair per
 ratio with --ratios; "_full" before the hardware with --update full, "_full_memory" with
---set trainer.publish=memory too), each as its sweep ends.
+--set trainer.publish=memory too, then "_in_flight" with --set pipeline.full_weight_swap=in_flight),
+each as its sweep ends.
 --compare-in-process writes each engine's pair, then one JSON holding both sweeps and the table
 per K, <engine> = vllm_server_vs_in_process.
 """
@@ -81,6 +82,7 @@ per K, <engine> = vllm_server_vs_in_process.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import tempfile
@@ -184,6 +186,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--max-num-seqs", type=int, default=None, help="engine.vllm.max_num_seqs (default: the config's)")
     g.add_argument("--enforce-eager", action="store_true", help="no torch.compile/CUDA graphs (faster start)")
+    g.add_argument("--trl", action="store_true",
+                   help="with --engine vllm on one GPU: TRL's GRPOTrainer (vLLM colocate) on the same workload after "
+                        "the sweep, same steps and steady window; each K's samples/s over TRL's (needs trl)")
     args = p.parse_args(argv)
 
     d = DEFAULTS[args.engine]
@@ -220,6 +225,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.compare_in_process and args.engine != "vllm_server":
         p.error(f"--compare-in-process compares --engine vllm_server with the in-process engine, not --engine "
                 f"{args.engine}")
+    if args.trl and args.engine != "vllm":
+        p.error(f"--trl races TRL's GRPOTrainer in vLLM colocate mode against --engine vllm, not --engine {args.engine}")
     if args.engine == "vllm_server" and args.update == "full":
         p.error('--engine vllm_server takes LoRA updates only (engine.kind = "vllm_server" loads no full weights)')
     try:
@@ -297,6 +304,29 @@ async def sweep(w: Workload, scratch: Path, keep: Callable[[dict[str, Any]], Non
     return out
 
 
+def trl_beside(w: Workload, args: argparse.Namespace, results: list[dict[str, Any]], scratch: Path) -> dict[str, Any]:
+    """--trl: TRL's GRPOTrainer on the sweep's workload, in a child process (benchmarks/setup_time.py's):
+    the same built model, B x n, completion length, learning rate, dtype, micro-batch, vLLM share of
+    the GPU and update (full: no peft config, TRL syncs the weights to vLLM in memory), the same
+    number of steps; its samples/s over the same steady window (after --warmup-steps steps), and
+    each K's over it. TRL's prompts are short fixed strings, ours the task's (completions dominate)."""
+    import setup_time
+
+    settings = setup_time.trl_settings_of(w.config(0, scratch / "config"), str(w.model_path))
+    print(f"[{w.kind} {w.shape}] TRL GRPOTrainer, vLLM colocate, {args.steps} steps ...", flush=True)
+    r = setup_time.run_trl_child(settings, args.steps, scratch, 0, timeout_s=3600.0)
+    ends, wu = r["step_ends_s"], args.warmup_steps
+    if len(ends) != args.steps:
+        raise RuntimeError(f"TRL ran {len(ends)} steps, not {args.steps}")
+    samples = args.batch_groups * args.group_size
+    rate = samples * (len(ends) - wu) / (ends[-1] - ends[wu - 1])
+    ours = {r_["max_staleness"]: r_["groups_per_s"] * args.group_size for r_ in results}
+    print(f"[{w.kind} {w.shape}] TRL: {rate:.1f} samples/s steady; ours / TRL: "
+          + ", ".join(f"K={k} {v / rate:.2f}x" for k, v in ours.items()), flush=True)
+    return {"settings": settings, "samples_per_s": rate, "setup_s": r["setup_s"], "steps_s": r["steps_s"],
+            "step_ends_s": ends, "ours_samples_per_s": ours, "ours_over_trl": {k: v / rate for k, v in ours.items()}}
+
+
 def _ms(r: dict[str, Any], key: str) -> str:
     """A run's figure in ms for a progress line ("-" where the run has none)."""
     return "-" if r.get(key) is None else f"{r[key]:.0f}"
@@ -357,6 +387,8 @@ def result_name(w: Workload, args: argparse.Namespace, hw: dict[str, Any], kind:
     full = "_full" if args.update == "full" else ""
     if args.set_overrides.get("trainer.publish") == "memory":  # versions through GPU memory, not files
         full += "_memory"
+    if args.set_overrides.get("pipeline.full_weight_swap") == "in_flight":  # groups carried across swaps
+        full += "_in_flight"
     sim_trainer = "_simtrainer" if w.kind != "sim" and args.trainer == "sim" else ""
     # a simulated sweep at another step time is another result, not a rerun of the default's
     step_s = f"_step{args.train_step_s:g}s" \
@@ -445,6 +477,9 @@ async def main_async(args: argparse.Namespace, argv: Sequence[str] | None) -> li
                                             "settings": run_settings(w, args), **so_far})
 
             res = await sweep(w, root / f"{w.kind}-{w.shape}", keep)
+            if args.trl:
+                keep({"standalone": res["standalone"], "results": res["results"]})
+                res["trl"] = await asyncio.to_thread(trl_beside, w, args, res["results"], root / "trl")
             records.append(rec := sweep_record(w, res, load, args, argv, out_dir))
             # kept as soon as it is done: a later sweep that fails (a server that does not start) loses nothing
             common.write_json(Path(rec["files"]["json"]), rec)

@@ -158,6 +158,7 @@ def run_figures(p: Pipeline, K: int, warmup: int, learns: bool, group_size: int,
         **version_parts(p.versions.parts),
         "publish_ms_mean": 1000.0 * float(np.mean([row["time/publish_s"] for row in p.metrics_rows])),
         "drain_ms_mean": 1000.0 * s["drain_s_mean"] if s["drain_s_mean"] is not None else None,
+        "groups_spanning_versions": s["groups_spanning_versions"],
         "groups_dropped": s["groups_dropped"], "groups_failed": s["groups_failed"],
         "accounting_ok": s["accounting_ok"], "torch_threads": torch_threads,
         **engine_loads(read_jsonl(p.run_dir / "events.jsonl")),
@@ -294,6 +295,14 @@ def report(res: dict[str, Any], title: str, batch_groups: int, learns: bool, not
                          f"{g['nothing_admitted_s']:.3f} s (admission waited for a version), admitted but "
                          f"not started {g['admitted_not_started_s']:.3f} s, started but not running "
                          f"{g['started_not_running_s']:.3f} s (adapter load or engine queue)")
+    if "trl" in res:  # --trl: TRL's GRPOTrainer on the same workload, after the sweep
+        t = res["trl"]
+        lines.append(f"TRL GRPOTrainer (vLLM colocate, update {t['settings']['update']}): "
+                     f"{t['samples_per_s']:.1f} samples/s steady (set-up {t['setup_s']:.1f} s); ours / TRL: "
+                     + ", ".join(f"K={k} {v:.2f}x" for k, v in t["ours_over_trl"].items()))
+    if any(r.get("groups_spanning_versions") for r in res["results"]):  # in-flight full-weight swaps
+        lines.append("groups carried across a swap (pipeline.full_weight_swap = in_flight): "
+                     + ", ".join(f"K={r['max_staleness']} {r['groups_spanning_versions']}" for r in res["results"]))
     if "checks" in res:
         c = res["checks"]
         lines.append(f"check: {c['expected_limit']}-limited expected; at the largest K the generator is "

@@ -926,3 +926,44 @@ def test_the_standalone_trainer_timing_shares_in_memory_when_the_runs_do(tmp_pat
     files = SimulatedTrainer(update="full")
     workloads.time_trainer(files, [], tmp_path / "files", 3, "full")
     assert files.shared == {} and AdapterStore(tmp_path / "files", kind="full").versions() == [1, 2, 3, 4]
+
+
+def test_the_sweeps_trl_race_times_trl_over_the_same_steady_window_and_settings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """throughput_vs_staleness --trl: TRL runs on the sweep's model and settings (full weights: no peft
+    config); its samples/s counts the steps after --warmup-steps over their own span, and each K's
+    samples/s is divided by it."""
+    from pipeline.config.io import load_config
+
+    tvs = load("throughput_vs_staleness")
+    import setup_time
+
+    calls = []
+
+    def fake_child(settings, steps, scratch, index, timeout_s):
+        calls.append((settings, steps))
+        # step k ends at 10 + 2k s: steps after the first two take 2 s each
+        return {"setup_s": 50.0, "steps_s": 40.0, "step_ends_s": [10.0 + 2 * k for k in range(1, steps + 1)]}
+
+    monkeypatch.setattr(setup_time, "run_trl_child", fake_child)
+    args = tvs.parse_args(["--engine", "vllm", "--update", "full", "--steps", "6", "--batch-groups", "4",
+                           "--group-size", "8", "--trainer-device", "cuda:0", "--trl",
+                           "--set", "trainer.micro_batch_sequences=8"])
+
+    class Workload:
+        model_path, kind, shape = Path("/models/built"), "vllm", "qwen2.5-0.5b"
+
+        def config(self, K, run_dir):
+            return load_config(None, {"engine.kind": "vllm", "engine.devices": ["cuda:0"], "trainer.device": "cuda:0",
+                                      "trainer.update": args.update, "pipeline.batch_groups": 4,
+                                      "sampling.n": 8, "trainer.micro_batch_sequences": 8})
+
+    out = tvs.trl_beside(Workload(), args, [{"max_staleness": 0, "groups_per_s": 2.0},
+                                            {"max_staleness": 1, "groups_per_s": 4.0}], tmp_path)
+    (settings, steps), = calls
+    assert steps == 6 and settings["update"] == "full" and settings["model_path"] == "/models/built"
+    assert settings["micro_batch"] == 8 and settings["batch_groups"] == 4
+    assert out["samples_per_s"] == pytest.approx(32 / 2.0)  # 4 x 8 samples a step, one step per 2 s
+    assert out["ours_over_trl"] == {0: pytest.approx(16 / 16.0), 1: pytest.approx(32 / 16.0)}
+    with pytest.raises(SystemExit):
+        tvs.parse_args(["--engine", "sim", "--trl"])
