@@ -20,15 +20,20 @@ Invariants:
   environment's tokens of a multi-turn episode; all True for a single turn) and every completion
   a `turns` count, so `read_rollouts` gives `mask` aligned with `tokens` and `turns` per
   completion whichever store it reads.
-- Format versions: 2 is written. A version-1 store (no mask, turns or env_reward arrays: every
-  completion a single turn) is read as if it held mask True, turns 1 and env_reward NaN, and
-  opening one for appending (a resumed run) upgrades it in place: the new arrays are created at
-  the committed lengths holding those values (no chunk written: they are the fill values), and
-  format_version becomes 2 last, so an upgrade cut short is simply done again.
+- Format versions: 3 is written. An older store lacks what later versions added (version 1: the
+  mask, turns and env_reward arrays, every completion a single turn; versions 1 and 2: the
+  last_version array) and is read as if it held their fill values (mask True, turns 1,
+  env_reward NaN, last_version -1); opening one for appending (a resumed run) upgrades it in
+  place: the missing arrays are created at the committed lengths holding those values (no chunk
+  written: they are the fill values), and format_version becomes 3 last, so an upgrade cut short
+  is simply done again.
+- `last_version` is the newest version whose weights may have sampled a group's tokens: its own
+  `version` unless an in-flight full-weight swap carried it on (`Generation.last_version`); -1
+  without a generation, or in a store older than format 3.
 
 Layout (zarr v3 group; ragged data as flat arrays plus offsets):
 
-    per group        group_id i64, prompt_id str, version i32, fate str, reason str, step i32,
+    per group        group_id i64, prompt_id str, version i32, last_version i32, fate str, reason str, step i32,
                      engine str ("" without a generation), t_admitted / t_gen_start / t_gen_end /
                      t_done f64 (NaN when unknown), prompt_tok_off i64, prompt_tok_len i32,
                      comp_off i64 (first completion's row), comp_count i32
@@ -68,8 +73,9 @@ from pipeline.types import GroupOutcome
 log = structlog.get_logger(__name__)
 
 # 2: per-token mask, per-completion turns and env_reward (multi-turn episodes)
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1 reads (and upgrades on append) as single-turn completions
+# 3: per-group last_version (in-flight full-weight swaps: the newest version a group may span)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # older ones read (and upgrade on append) with the fill values of what they lack
 FATES = ("trained", "dropped", "failed", "eval")
 
 # Chunk lengths: a flush of a few hundred groups touches one or two chunks per array, and a
@@ -92,6 +98,7 @@ _GROUP_ARRAYS: dict[str, tuple[Any, Any]] = {
     "group_id": ("int64", -1),
     "prompt_id": (str, ""),
     "version": ("int32", -1),
+    "last_version": ("int32", -1),
     "fate": (str, ""),
     "reason": (str, ""),
     "step": ("int32", -1),
@@ -116,8 +123,14 @@ _COMPLETION_ARRAYS: dict[str, tuple[Any, Any]] = {
 _PROMPT_TOKEN_ARRAYS: dict[str, tuple[Any, Any]] = {"prompt_tokens": ("int32", 0)}
 _TOKEN_ARRAYS: dict[str, tuple[Any, Any]] = {"tokens": ("int32", 0), "logprobs": ("float32", np.nan),
                                              "mask": ("bool", True)}
-# What format version 2 added; their fill values are what a version-1 store's completions were.
-_V2_ARRAYS = ("turns", "env_reward", "mask")
+# What each format version added; their fill values are what an older store's rows were (single
+# turns; last_version -1: not recorded, each group one version's sample as far as it knew).
+_ADDED = {2: ("turns", "env_reward", "mask"), 3: ("last_version",)}
+
+
+def _missing(version: int) -> set[str]:
+    """The arrays a store of format `version` lacks (those later versions added)."""
+    return {name for v, names in _ADDED.items() if v > version for name in names}
 
 # section -> (arrays, chunk length, key of its length in the `committed` attribute)
 _SECTIONS = {
@@ -149,7 +162,7 @@ _I64, _F32, _F64, _BOOL = np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.
 
 # The per-group values an append gathers as one tuple per group, in this order (the offsets are
 # computed at flush).
-_ROW = ("group_id", "prompt_id", "version", "fate", "reason", "step", "engine", "t_admitted",
+_ROW = ("group_id", "prompt_id", "version", "last_version", "fate", "reason", "step", "engine", "t_admitted",
         "t_gen_start", "t_gen_end", "t_done", "prompt_tok_len", "comp_count")
 
 
@@ -195,6 +208,13 @@ def _raise_out_of_range(ids: np.ndarray, ends: np.ndarray, outcomes: Sequence[Gr
     G = len(outcomes)
     raise ValueError(f"group {outcomes[run % G].group_id} {'prompt' if run < G else 'completion'} has token ids "
                      f"outside [0, 2**31): min {bad.min()}, max {bad.max()}")
+
+
+def _last_version(g: Any) -> int:
+    """A generation's newest version (its own unless an in-flight swap carried it on); -1 without one."""
+    if g is None:
+        return -1
+    return g.version if g.last_version is None else g.last_version
 
 
 def _check_fate(o: GroupOutcome) -> None:
@@ -263,7 +283,7 @@ def _to_block(outcomes: Sequence[GroupOutcome]) -> _Block:
                 raise ValueError(f"group {o.group_id}: {np.size(r)} rewards for {n} completions")
 
     nan = np.nan
-    rows = tuple([(o.group_id, o.prompt.id, o.version, o.fate, o.reason, o.step,
+    rows = tuple([(o.group_id, o.prompt.id, o.version, _last_version(g), o.fate, o.reason, o.step,
                    g.engine if g is not None else "", o.t_admitted,
                    g.t_start if g is not None else nan, g.t_end if g is not None else nan, o.t_done, p, c)
                   for o, g, p, c in zip(outcomes, gens, prompt_lens, comp_counts)])
@@ -374,15 +394,16 @@ class RolloutLog:
         return group
 
     def _repair(self, meta: dict[str, Any] | None) -> dict[str, int]:
-        """Check the format, trim data beyond the committed counts, upgrade a version-1 store, merge
+        """Check the format, trim data beyond the committed counts, upgrade an older store, merge
         the caller's meta."""
         attrs = dict(self._group.attrs)
         version = _check_version(self.path, attrs)
+        missing = _missing(version)
         committed = {k: int(v) for k, v in attrs["committed"].items()}
         trimmed = []
         for arrays, _, key in _SECTIONS.values():
             for name in arrays:
-                if version == 1 and name in _V2_ARRAYS:
+                if name in missing:
                     continue
                 arr = self._group[name]
                 if arr.shape[0] < committed[key]:
@@ -393,21 +414,21 @@ class RolloutLog:
                     arr.resize((committed[key],))
         if trimmed:  # the last writer did not close the log: a crash, or a kill between flushes
             log.warning("rollout_log_trimmed", path=str(self.path), arrays=trimmed, committed=committed)
-        if version == 1:
-            self._upgrade(committed)
+        if version < FORMAT_VERSION:
+            self._upgrade(committed, version, missing)
         if meta:
             self._group.attrs["meta"] = {**attrs.get("meta", {}), **meta}
         return committed
 
-    def _upgrade(self, committed: dict[str, int]) -> None:
-        """Version 1 to 2: the arrays version 2 added, `committed` long, each holding its fill value
-        (mask True, turns 1, env_reward NaN: what every version-1 completion was), then the version."""
+    def _upgrade(self, committed: dict[str, int], version: int, missing: set[str]) -> None:
+        """An older format to this one: the arrays it lacks, `committed` long, each holding its fill
+        value (mask True, turns 1, env_reward NaN, last_version -1: what its rows were), then the version."""
         for arrays, chunk, key in _SECTIONS.values():
             for name, (dtype, fill) in arrays.items():
-                if name in _V2_ARRAYS:  # overwrite: an upgrade cut short may have left one behind
+                if name in missing:  # overwrite: an upgrade cut short may have left one behind
                     _create_array(self._group, name, dtype, fill, chunk, committed[key], overwrite=True)
         self._group.attrs["format_version"] = FORMAT_VERSION
-        log.info("rollout_log_upgraded", path=str(self.path), old_version=1, version=FORMAT_VERSION)
+        log.info("rollout_log_upgraded", path=str(self.path), old_version=version, version=FORMAT_VERSION)
 
     def append(self, outcome: GroupOutcome) -> None:
         """Buffer one outcome; `append_many([outcome])`."""
@@ -624,6 +645,7 @@ class Rollouts:
             "group_id": int(g["group_id"]),
             "prompt_id": str(g["prompt_id"]),
             "version": int(g["version"]),
+            "last_version": int(g["last_version"]),
             "fate": str(g["fate"]),
             "reason": str(g["reason"]),
             "step": int(g["step"]),
@@ -669,21 +691,21 @@ class Rollouts:
 def read_rollouts(path: str | Path) -> Rollouts:
     """Read the committed groups of the log at `path`; data a crashed flush left is ignored.
 
-    A version-1 store (never modified here) reads with mask True, turns 1 and env_reward NaN.
+    An older store (never modified here) reads with the fill values of the arrays it lacks.
     """
     path = Path(path)
     if not (path / "zarr.json").exists():
         raise FileNotFoundError(f"no rollout log at {path} (no zarr.json)")
     group = zarr.open_group(path, mode="r")
     attrs = dict(group.attrs)
-    version = _check_version(path, attrs)
+    missing = _missing(_check_version(path, attrs))
     committed = attrs["committed"]
 
     def section(name: str) -> dict[str, np.ndarray]:
         arrays, _, key = _SECTIONS[name]
         out = {}
         for col, (dtype, fill) in arrays.items():
-            if version == 1 and col in _V2_ARRAYS:
+            if col in missing:
                 out[col] = np.full(committed[key], fill, dtype=dtype)
                 continue
             values = group[col][: committed[key]]

@@ -719,7 +719,7 @@ def _format_1_writer(m: pytest.MonkeyPatch) -> None:
     """Make RolloutLog write what the format-1 code wrote: version 1, without the arrays format 2 added."""
     m.setattr(rl, "FORMAT_VERSION", 1)
     for section, (arrays, chunk, key) in rl._SECTIONS.items():
-        m.setitem(rl._SECTIONS, section, ({k: v for k, v in arrays.items() if k not in rl._V2_ARRAYS}, chunk, key))
+        m.setitem(rl._SECTIONS, section, ({k: v for k, v in arrays.items() if k not in rl._missing(1)}, chunk, key))
 
 
 def _write_format_1(path: Path, outcomes: list[GroupOutcome], close: bool = True) -> None:
@@ -755,7 +755,7 @@ def test_a_format_1_log_opened_for_appending_is_upgraded_and_continued(tmp_path:
     _write_format_1(path, old, close=closed)  # not closed: a kill -9 left the arrays grown
     log = RolloutLog(path, meta={"new": True})
     raw = zarr.open_group(path, mode="r")
-    assert raw.attrs["format_version"] == rl.FORMAT_VERSION == 2
+    assert raw.attrs["format_version"] == rl.FORMAT_VERSION == 3
     assert raw["mask"].shape[0] == raw["tokens"].shape[0] == 25 and raw["turns"].shape[0] == 10
     assert log.truncate(3) == 2  # what session.open_session does on a resume
     new = [make_outcome(i, lengths=(4, 6), episodes=True) for i in range(3, 6)]
@@ -794,6 +794,56 @@ def test_an_upgrade_cut_short_is_done_again(tmp_path: Path, monkeypatch: pytest.
     log.append(make_outcome(3, episodes=True))
     log.close()
     r = read_rollouts(path)
-    assert r.attrs["format_version"] == 2
+    assert r.attrs["format_version"] == 3
     for i, o in enumerate(old + [make_outcome(3, episodes=True)]):
+        assert_group_equal(r.group(i), o)
+
+
+def _spanning(o: GroupOutcome, last: int) -> GroupOutcome:
+    """`o` as an in-flight swap leaves it: sampled from its version on, up to version `last`."""
+    gen = o.generation
+    return _with(o, generation=Generation(request=gen.request, completions=gen.completions, version=gen.version,
+                                          engine=gen.engine, t_start=gen.t_start, t_end=gen.t_end, last_version=last))
+
+
+def test_last_version_holds_the_newest_version_whose_weights_sampled_a_group(tmp_path: Path) -> None:
+    outcomes = [_spanning(make_outcome(0, version=3), last=5), make_outcome(1, version=4),
+                make_outcome(2, "failed", with_generation=False), _spanning(make_outcome(3, version=2), last=2)]
+    with RolloutLog(tmp_path / "r.zarr") as log:
+        log.append_many(outcomes)
+    r = read_rollouts(tmp_path / "r.zarr")
+    assert r.groups["version"].tolist() == [3, 4, 0, 2]
+    assert r.groups["last_version"].tolist() == [5, 4, -1, 2]
+    assert [r.group(i)["last_version"] for i in range(4)] == [5, 4, -1, 2]
+
+
+def test_a_format_2_log_reads_without_last_versions_and_is_upgraded_on_append(tmp_path: Path) -> None:
+    path = tmp_path / "r.zarr"
+    old = [make_outcome(i, lengths=(3, 2), episodes=True) for i in range(3)]
+    with pytest.MonkeyPatch.context() as m:  # what the format-2 code wrote
+        m.setattr(rl, "FORMAT_VERSION", 2)
+        for section, (arrays, chunk, key) in rl._SECTIONS.items():
+            m.setitem(rl._SECTIONS, section, ({k: v for k, v in arrays.items() if k not in rl._missing(2)}, chunk, key))
+        m.setattr(rl, "_ROW", tuple(c for c in rl._ROW if c != "last_version"))
+        real_block = rl._to_block
+
+        def format_2_block(*a, **kw):  # the format-2 row: no last_version
+            b = real_block(*a, **kw)
+            b.rows = tuple(row[:3] + row[4:] for row in b.rows)
+            return b
+
+        m.setattr(rl, "_to_block", format_2_block)
+        with RolloutLog(path) as log:
+            log.append_many(old)
+    raw = zarr.open_group(path, mode="r")
+    assert raw.attrs["format_version"] == 2 and "last_version" not in raw.array_keys()
+    r = read_rollouts(path)
+    assert r.groups["last_version"].tolist() == [-1, -1, -1]
+    for i, o in enumerate(old):
+        assert_group_equal(r.group(i), o)
+    with RolloutLog(path) as log:  # a resumed run appends
+        log.append(_spanning(make_outcome(3, version=1), last=2))
+    r = read_rollouts(path)
+    assert r.attrs["format_version"] == 3 and r.groups["last_version"].tolist() == [-1, -1, -1, 2]
+    for i, o in enumerate(old):
         assert_group_equal(r.group(i), o)

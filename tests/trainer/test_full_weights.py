@@ -240,8 +240,11 @@ def test_in_flight_swaps_load_each_version_while_groups_run_and_label_them_with_
     summary = p.run_sync()
     assert summary["error"] is None and summary["steps"] == 12, summary
     assert summary["groups_failed"] == {} and summary["generation_retries"] == 0, summary
-    assert_accounted(p, summary)
+    r = assert_accounted(p, summary)
     assert max(loads_while_running) > 0, loads_while_running  # versions were taken mid-group
+    trained = r.groups["fate"] == "trained"  # rollouts.zarr names the newest version of each group
+    assert (r.groups["last_version"][trained] >= r.groups["version"][trained]).all()
+    assert int((r.groups["last_version"] > r.groups["version"])[trained].sum()) == summary["groups_spanning_versions"]
     rows = read_jsonl(p.run_dir / "metrics.jsonl")
     spanning = summary["groups_spanning_versions"]
     assert spanning == sum(r["rollout/spanning_versions"] for r in rows) > 0, rows
