@@ -27,7 +27,10 @@ Engine invariants:
 - Full-weight updates (built with `full_weights=True`): a version is a whole model directory
   and an engine holds one version at a time. `load_adapter` replaces the weights (the caller
   drains the engine's groups first; the engine waits for any still running); `generate` for
-  any version but the loaded one raises GenerationError; `unload_adapter` does nothing.
+  any version but the loaded one raises GenerationError; `unload_adapter` does nothing. With
+  in-flight swaps (built with `in_flight=True`) the caller does not drain: the running calls go
+  on with the new weights, `generate` serves the version held or an older one (the label), and
+  each Generation's `last_version` names the newest version that may have sampled it.
 - `BatchEngine.generate_many(requests, adapter)` samples several groups in one call and returns,
   in order, each one's Generation or the exception that failed it. An engine offers it when
   one call for many groups is cheaper than one per group (the simulated engine, where the
