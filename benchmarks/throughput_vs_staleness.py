@@ -231,7 +231,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error('--engine vllm_server takes LoRA updates only (engine.kind = "vllm_server" loads no full weights)')
     try:
         args.set_overrides = {".".join(key): value for key, value in map(parse_override, args.set)}
-        load_config(None, {"trainer.update": args.update, **args.set_overrides})  # as the runs will read them
+        kind = {"sim": "simulated", "vllm_server": "vllm"}.get(args.engine, args.engine)
+        devices = {"engine.devices": [args.engine_device], "trainer.device": args.trainer_device} \
+            if args.engine in VLLM_ENGINES else {}
+        load_config(None, {"trainer.update": args.update, "engine.kind": kind, **devices,
+                           **args.set_overrides})  # as the runs will read them
     except ConfigError as e:
         p.error(f"--set: {e}")
     return args

@@ -967,3 +967,14 @@ def test_the_sweeps_trl_race_times_trl_over_the_same_steady_window_and_settings(
     assert out["ours_over_trl"] == {0: pytest.approx(16 / 16.0), 1: pytest.approx(32 / 16.0)}
     with pytest.raises(SystemExit):
         tvs.parse_args(["--engine", "sim", "--trl"])
+
+
+def test_the_sweeps_overrides_are_checked_against_its_own_engine(tmp_path: Path) -> None:
+    """--set is checked as the runs will read it: with the sweep's engine kind and devices (an override
+    that needs the vLLM engine is not refused for the config's default engine)."""
+    tvs = load("throughput_vs_staleness")
+    args = tvs.parse_args(["--engine", "vllm", "--update", "full", "--trainer-device", "cuda:0",
+                           "--set", "pipeline.full_weight_swap=in_flight"])
+    assert args.set_overrides == {"pipeline.full_weight_swap": "in_flight"}
+    with pytest.raises(SystemExit):  # the transformers engine takes no in-flight swaps
+        tvs.parse_args(["--engine", "transformers", "--update", "full", "--set", "pipeline.full_weight_swap=in_flight"])
