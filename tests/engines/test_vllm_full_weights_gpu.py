@@ -265,7 +265,9 @@ def test_a_full_weight_run_trains_and_every_version_reaches_the_engine(env: Env,
         "engine.devices": ["cuda:0"], "trainer.device": "cuda:0", "trainer.update": "full", "trainer.lr": 1e-4,
         "engine.vllm.enforce_eager": True, "engine.vllm.gpu_memory_utilization": 0.3,
         "engine.vllm.max_model_len": 512, "pipeline.steps": steps, "pipeline.batch_groups": 8,
-        "pipeline.max_staleness": 1, "pipeline.logprob_check_every": 2, "sampling.n": 4, "log.progress": False,
+        # in flight, whole batches may span a swap (no group to check): check every step then
+        "pipeline.max_staleness": 1, "pipeline.logprob_check_every": 1 if swap == "in_flight" else 2,
+        "sampling.n": 4, "log.progress": False,
         "trainer.publish": publish, "pipeline.full_weight_swap": swap})
     p = Pipeline(cfg, console=False)
     summary = env.run(p.run())
