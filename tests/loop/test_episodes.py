@@ -332,3 +332,38 @@ def test_eval_rounds_run_episodes_too(tmp_path: Path) -> None:
     r = read_rollouts(p.run_dir / "rollouts.zarr")
     evals = [i for i in range(r.num_groups) if r.groups["fate"][i] == "eval"]
     assert len(evals) == 9 and all(list(r.group(i)["turns"]) == [2, 2] for i in evals)
+
+
+class TurnVersions(SimulatedEngine):
+    """The simulated engine, remembering each turn's last_version per group."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last: dict[int, list[int]] = {}
+
+    async def generate(self, request: GroupRequest, adapter: AdapterRef) -> Any:
+        gen = await super().generate(request, adapter)
+        self.last.setdefault(request.group_id, []).append(gen.last_version)
+        return gen
+
+    async def generate_many(self, requests: Any, adapter: AdapterRef) -> Any:
+        out = await super().generate_many(requests, adapter)
+        for r, g in zip(requests, out):
+            self.last.setdefault(r.group_id, []).append(g.last_version)
+        return out
+
+
+def test_an_episode_carried_across_in_flight_swaps_names_the_newest_version_of_its_turns(tmp_path: Path) -> None:
+    """Full weights swapped in flight: an episode's later turns may be sampled with newer weights than
+    its first; its group keeps the first version as its label and records the newest turn's."""
+    engine = TurnVersions(name="turns", full_weights=True, in_flight=True)
+    engine.cfg = engine.cfg.__class__(latency_s=0.004, turn_latency_s=0.004, completion_tokens=3)
+    p = _run(tmp_path, lambda: Random(latency=0.005), engine=engine, K=1, B=3, steps=8, step_s=0.01,
+             **{"sampling.n": 3, "env.max_turns": 5, "seed": 2, "trainer.update": "full",
+                "pipeline.full_weight_swap": "in_flight"})
+    r = assert_accounted(p, p.summary)
+    trained = [r.group(i) for i in range(r.num_groups) if r.groups["fate"][i] == "trained"]
+    for g in trained:
+        assert g["last_version"] == max(engine.last[g["group_id"]]) >= g["version"]
+    assert sum(g["last_version"] > g["version"] for g in trained) == p.summary["groups_spanning_versions"] > 0
+    assert p.summary["staleness_max"] <= 1
