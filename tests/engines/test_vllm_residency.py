@@ -114,13 +114,15 @@ async def settle() -> None:
 
 
 def run_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_loras: int,
-               body: Callable[[VLLMEngine, RecordingAsyncLLM], Awaitable[Any]]) -> None:
-    """Start a VLLMEngine (max_staleness 1) on a RecordingAsyncLLM, run `body`, close it."""
+               body: Callable[[VLLMEngine, Any], Awaitable[Any]], *, llm: type = RecordingAsyncLLM,
+               **engine_kwargs: Any) -> None:
+    """Start a VLLMEngine (max_staleness 1, `engine_kwargs`) on `llm` (a RecordingAsyncLLM), run `body`, close it."""
     fake_vllm(monkeypatch)
+    monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", llm)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     (tmp_path / "model").mkdir()
     engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), cfg=VLLMEngineConfig(max_loras=max_loras),
-                        device="cuda:0", max_staleness=1, name="vllm-residency")
+                        device="cuda:0", max_staleness=1, name="vllm-residency", **engine_kwargs)
 
     async def main() -> None:
         await engine.start()

@@ -9,15 +9,14 @@ and what it tells the pipeline.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 import pytest
-from test_vllm_residency import RecordingAsyncLLM, fake_vllm, request, settle
+import test_vllm_residency as residency
+from test_vllm_residency import RecordingAsyncLLM, request, settle
 
-from pipeline.config.schema import SamplingConfig, VLLMEngineConfig
 from pipeline.engines.vllm import VLLMEngine
 from pipeline.errors import AdapterCorruptError, GenerationError
 from pipeline.types import AdapterRef
@@ -71,32 +70,24 @@ def version(tmp_path: Path, v: int) -> AdapterRef:
 
 def run_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_flight: bool,
                body: Callable[[VLLMEngine, SwappingAsyncLLM], Awaitable[Any]]) -> None:
-    fake_vllm(monkeypatch)
-    monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", SwappingAsyncLLM)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    (tmp_path / "model").mkdir()
-    engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), cfg=VLLMEngineConfig(), device="cuda:0",
-                        name="vllm-swaps", full_weights=True, in_flight=in_flight)
+    residency.run_engine(tmp_path, monkeypatch, 0, body, llm=SwappingAsyncLLM, full_weights=True, in_flight=in_flight)
 
-    async def main() -> None:
-        await engine.start()
-        try:
-            await body(engine, RecordingAsyncLLM.instances[-1])
-        finally:
-            await engine.close()
 
-    asyncio.run(main())
+async def running_on(engine: VLLMEngine, llm: SwappingAsyncLLM, ref: AdapterRef) -> asyncio.Task:
+    """`ref` loaded, then a request on it held open inside vLLM."""
+    llm.release.set()
+    await engine.load_adapter(ref)
+    llm.release.clear()
+    running = asyncio.create_task(engine.generate(request(0), ref))
+    await settle()
+    return running
 
 
 def test_an_in_flight_load_pauses_the_running_requests_and_they_end_on_the_new_version(tmp_path, monkeypatch):
     v1, v2, v3 = (version(tmp_path, v) for v in (1, 2, 3))
 
     async def body(engine: VLLMEngine, llm: SwappingAsyncLLM) -> None:
-        llm.release.set()
-        await engine.load_adapter(v1)
-        llm.release.clear()
-        running = asyncio.create_task(engine.generate(request(0), v1))
-        await settle()
+        running = await running_on(engine, llm, v1)
         await asyncio.wait_for(engine.load_adapter(v2), 1.0)  # does not wait for the request
         assert not running.done() and engine.loaded_versions == (2,)
         assert llm.log[-3:] == [("pause", "keep", True), ("rpc", "reload_weights"), ("resume",)]
@@ -117,11 +108,7 @@ def test_a_drained_load_waits_for_the_requests_running(tmp_path, monkeypatch):
     v1, v2 = version(tmp_path, 1), version(tmp_path, 2)
 
     async def body(engine: VLLMEngine, llm: SwappingAsyncLLM) -> None:
-        llm.release.set()
-        await engine.load_adapter(v1)
-        llm.release.clear()
-        running = asyncio.create_task(engine.generate(request(0), v1))
-        await settle()
+        running = await running_on(engine, llm, v1)
         loading = asyncio.create_task(engine.load_adapter(v2))
         await asyncio.sleep(0.05)
         assert not loading.done() and ("rpc", "reload_weights") not in llm.log[-1:]
@@ -142,11 +129,7 @@ def test_an_in_flight_load_that_fails_aborts_the_requests_it_paused(tmp_path, mo
     v1, v2 = version(tmp_path, 1), version(tmp_path, 2)
 
     async def body(engine: VLLMEngine, llm: SwappingAsyncLLM) -> None:
-        llm.release.set()
-        await engine.load_adapter(v1)
-        llm.release.clear()
-        running = asyncio.create_task(engine.generate(request(0), v1))
-        await settle()
+        running = await running_on(engine, llm, v1)
         llm.fail_rpc = True
         with pytest.raises(AdapterCorruptError, match="could not load the weights of version 2"):
             await engine.load_adapter(v2)
