@@ -475,6 +475,7 @@ class PipelineConfig:
     batch_groups: int = 8  # B: groups per training step
     max_staleness: int = 1  # K: a group sampled at version k trains at version <= k + K; 0 = synchronous
     buffer_capacity: int = 0  # completed groups held at most; 0 = (max_staleness + 1) * batch_groups
+    full_weight_swap: Literal["drain", "in_flight"] = "drain"  # trainer.update = "full": drain = groups in flight finish on the old weights before a load (a group is one version's sample); in_flight = they go on with the new ones at once (vLLM recomputes their KV cache), labelled with the version they started with (docs/full-weights.md)
     filter_zero_advantage: bool = False  # drop groups whose rewards are all equal (no learning signal)
     logprob_check_every: int = 50  # steps between checks of engine vs trainer log-probs; 0 = only at start
     logprob_check_groups: int = 2  # groups recomputed per check
@@ -482,7 +483,6 @@ class PipelineConfig:
     shutdown_timeout_s: float = 30.0  # how long shutdown waits for tasks before giving up
     checkpoint_every: int = 10  # steps between checkpoints (also one at the end and on SIGINT/SIGTERM); 0 = those only
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
-    full_weight_swap: Literal["drain", "in_flight"] = "drain"  # trainer.update = "full": drain = groups in flight finish on the old weights before a load (a group is one version's sample); in_flight = they go on with the new ones at once (vLLM recomputes their KV cache), labelled with the version they started with (docs/full-weights.md)
     checkpoint_behind: bool = True  # the trainer writes a checkpoint's state while the next steps run (a copy in host memory meanwhile); false = the loop waits for it
     switch_interval_ms: float = 0.25  # Python's GIL switch interval during a run (0 = leave it): the loop waits less for a worker thread
     gc_threshold: int = 100_000  # allocations between young-generation GC passes during a run (0 = leave Python's 700)
