@@ -299,7 +299,8 @@ class SimulatedEngine:
 
     @contextlib.contextmanager
     def _sampling_with(self, adapter: AdapterRef, requests: Sequence[GroupRequest]) -> Iterator[None]:
-        """Full-weight mode: refuse a call for any version but the one held, and count it while it runs."""
+        """Full-weight mode: refuse a call for any version but the one held (in flight: or an older one),
+        and count it while it runs."""
         if not self.full_weights:
             yield
             return
@@ -321,7 +322,7 @@ class SimulatedEngine:
         return self._weights.version if self.full_weights and self.in_flight else None
 
     def _swap_weights(self, adapter: AdapterRef) -> None:
-        """Full-weight mode: hold `adapter`'s version from now on; refused while any call runs."""
+        """Full-weight mode: hold `adapter`'s version from now on; refused while any call runs (unless in flight)."""
         if self._closed:
             raise EngineDeadError(f"engine {self.name} is closed")
         held = self._weights
