@@ -4,9 +4,9 @@ The trainer publishes each version into the adapter store; the adapter loop veri
 against its manifest, has every engine in rotation load it, and only then makes it the serving
 version that admission samples with. How a version replaces the last on an engine is a swap
 strategy: LoRA adapters load beside the ones in use (`LoraSwap`); full weights replace them, so
-the groups in flight and any evaluation round finish first (`FullWeightSwap`), or only the
-evaluation rounds do and the groups go on with the new weights (`InFlightSwap`,
-pipeline.full_weight_swap = "in_flight").
+the groups in flight and any evaluation round finish first (`FullWeightSwap`), or, in flight
+(pipeline.full_weight_swap = "in_flight"), only the evaluation rounds do and the groups go on with
+the new weights.
 
 Built in data-flow order, each given what it uses: `VersionSet` (the versions published and not
 pruned, the serving one, those in use) first, then the `EngineRotation` (which reads from it what
@@ -135,52 +135,36 @@ class LoraSwap:
 
 
 class FullWeightSwap:
-    """Whole weights: an engine holds one version, so admission pauses and what is in flight (groups
-    and evaluation rounds) finishes on the old weights before the engines load the new ones."""
+    """Whole weights: an engine holds one version. Drained (`drain`), admission pauses and what is in
+    flight (groups and evaluation rounds) finishes on the old weights before the engines load the new
+    ones; in flight (pipeline.full_weight_swap = "in_flight"), the groups go on with the new weights
+    (the engine recomputes their context with them) and only evaluation rounds, which score one
+    version, finish first."""
 
-    def __init__(self, *, buffer: RolloutBuffer, pins: VersionPins, rotation: EngineRotation) -> None:
-        self.buffer = buffer  # admission pauses, and the groups in flight drain, before a load
+    def __init__(self, *, buffer: RolloutBuffer, pins: VersionPins, rotation: EngineRotation,
+                 drain: bool = True) -> None:
+        self.buffer = buffer  # admission pauses, and the groups in flight drain, before a load (drain)
         self.pins = pins  # evaluation rounds finish before a load, and none starts during it
         self.rotation = rotation  # after a failed load, the engines load the served weights again
-        self.drain_s: dict[int, float] = {}  # version -> seconds admission paused for the drain
+        self.drain = drain
+        self.drain_s: dict[int, float] = {}  # version -> seconds the load waited (groups and eval rounds; eval only in flight)
 
     async def before_load(self, version: int) -> None:
         t_drain = time.monotonic()
-        self.buffer.pause_admission()
-        await self.buffer.wait_drained()
+        if self.drain:
+            self.buffer.pause_admission()
+            await self.buffer.wait_drained()
         await self.pins.hold_swaps()
         self.drain_s[version] = time.monotonic() - t_drain
 
     async def after_failed_load(self, served: AdapterRef) -> None:
         # engines that did load it go back to the served weights, so every engine serves one version
         await self.rotation.load_on_engines(served)
-        await self.buffer.resume_admission()
-        await self.pins.release_swaps()
+        await self.after_serving()
 
     async def after_serving(self) -> None:
-        await self.buffer.resume_admission()
-        await self.pins.release_swaps()
-
-
-class InFlightSwap:
-    """Whole weights taken mid-generation: the groups in flight go on with the new weights (the engine
-    recomputes their context with them); only evaluation rounds, which score one version, finish first."""
-
-    def __init__(self, *, pins: VersionPins, rotation: EngineRotation) -> None:
-        self.pins = pins  # evaluation rounds finish before a load, and none starts during it
-        self.rotation = rotation  # after a failed load, the engines load the served weights again
-        self.drain_s: dict[int, float] = {}  # version -> seconds the load waited for evaluation rounds
-
-    async def before_load(self, version: int) -> None:
-        t_wait = time.monotonic()
-        await self.pins.hold_swaps()
-        self.drain_s[version] = time.monotonic() - t_wait
-
-    async def after_failed_load(self, served: AdapterRef) -> None:
-        await self.rotation.load_on_engines(served)
-        await self.pins.release_swaps()
-
-    async def after_serving(self) -> None:
+        if self.drain:
+            await self.buffer.resume_admission()
         await self.pins.release_swaps()
 
 
@@ -194,9 +178,8 @@ class Versions:
         self.store = store
         self.buffer = buffer  # told each new serving version
         self.max_staleness = max_staleness
-        self.swap: SwapStrategy = (LoraSwap() if not full_weights
-                                   else InFlightSwap(pins=pins, rotation=rotation) if in_flight
-                                   else FullWeightSwap(buffer=buffer, pins=pins, rotation=rotation))
+        self.swap: SwapStrategy = (FullWeightSwap(buffer=buffer, pins=pins, rotation=rotation, drain=not in_flight)
+                                   if full_weights else LoraSwap())
         self.publish_t: dict[int, float] = {}
         self.publish_to_loaded: dict[int, float] = {}
         # where a version's publish-to-loaded went: version -> seconds the adapter loop took to get to
