@@ -603,9 +603,6 @@ def _check_in_flight_swaps(cfg: RunConfig) -> None:
         raise ConfigError(f'pipeline.full_weight_swap = "in_flight" needs engine.kind = "vllm" (its scheduler '
                           f'pauses the groups in flight and recomputes their KV cache with the new weights), got '
                           f'{cfg.engine.kind!r}; use full_weight_swap = "drain"')
-    if cfg.deterministic:
-        raise ConfigError('deterministic = true cannot be combined with pipeline.full_weight_swap = "in_flight": '
-                          "where a group's version changes depends on timing")
 
 
 def _check_deterministic(cfg: RunConfig) -> None:
@@ -614,6 +611,9 @@ def _check_deterministic(cfg: RunConfig) -> None:
         raise ConfigError(f'deterministic = true needs engine.kind = "transformers" or "simulated", got '
                           f'{cfg.engine.kind!r}: vLLM\'s batched kernels give results that depend on what else '
                           "is in the batch")
+    if cfg.pipeline.full_weight_swap == "in_flight":
+        raise ConfigError('deterministic = true cannot be combined with pipeline.full_weight_swap = "in_flight": '
+                          "where a group's version changes depends on timing")
     if cfg.pipeline.filter_zero_advantage:
         raise ConfigError("deterministic = true cannot be combined with pipeline.filter_zero_advantage = true: "
                           "which later group fills a dropped group's slot depends on timing")

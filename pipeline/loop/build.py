@@ -236,7 +236,7 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
     started), of engine.kind. Launched servers write their logs under run_dir/servers/."""
     K = cfg.pipeline.max_staleness
     full = cfg.trainer.update == "full"
-    in_flight = full and cfg.pipeline.full_weight_swap == "in_flight"
+    in_flight = cfg.pipeline.full_weight_swap == "in_flight"  # the config refuses it without full weights
     offset = 1009 * start_step  # a resumed run samples afresh, not the first session's draws
     if cfg.engine.kind == "vllm_server" and cfg.engine.vllm_server.launch:
         return launched_servers(cfg, model_path, Path(run_dir or ".") / "servers", seed=cfg.engine.vllm.seed + offset)
