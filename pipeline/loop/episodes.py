@@ -114,7 +114,7 @@ class Episodes:
         """The group's n episodes to their ends; a Generation of one completion per episode."""
         t_start = time.monotonic()
         episodes: list[_Episode] = []
-        turns: list[Generation] = []  # every turn's answer (their versions: what the episode's tokens span)
+        last: int | None = None  # in-flight swaps: the newest version any turn may have sampled with
         try:
             runners = await asyncio.gather(*(EnvRunner.open(self.factory, step_timeout_s=self.cfg.step_timeout_s)
                                              for _ in range(request.n)), return_exceptions=True)
@@ -128,7 +128,7 @@ class Episodes:
                                f"the episode's budget of {self.budget}", reason="env_prompt_too_long")
             first = GroupRequest(request.group_id, prompt, request.n, self._room(prompt, 0), request.seed, turn=0)
             gen = await self._call(engine, [first], adapter)
-            turns += gen
+            last = _newest(last, gen)
             for ep, c in zip(episodes, gen[0].completions):
                 ep.add(c)
             while True:
@@ -143,7 +143,7 @@ class Episodes:
                                          (request.seed * 31 + turn * 1009 + ep.index) % 2**31, turn=turn)
                             for ep in live]
                 answers = await self._call(engine, requests, adapter)
-                turns += answers
+                last = _newest(last, answers)
                 for ep, g in zip(live, answers):
                     ep.add(g.completions[0])
         finally:
@@ -151,7 +151,7 @@ class Episodes:
         return Generation(GroupRequest(request.group_id, prompt, request.n, request.max_new_tokens, request.seed),
                           tuple(ep.completion() for ep in episodes), version=adapter.version, engine=engine.name,
                           t_start=t_start, t_end=time.monotonic(),
-                          last_version=max((g.last_version for g in turns if g.last_version is not None), default=None))
+                          last_version=last)
 
     async def _start(self, row_prompt: Prompt, episodes: list[_Episode]) -> tuple[Prompt, _Framing]:
         """Reset every episode's environment on the row: their common first observation as the prompt
@@ -228,3 +228,8 @@ class Episodes:
             ep.tokens += reply
             ep.logprobs += [0.0] * len(reply)
             ep.mask += [False] * len(reply)
+
+
+def _newest(last: int | None, turns: list[Generation]) -> int | None:
+    """The newest of `last` and the turns' last_version (None: no turn was carried across a swap)."""
+    return max((v for v in (last, *(g.last_version for g in turns)) if v is not None), default=None)
