@@ -16,7 +16,13 @@ With `--trl` (a vLLM config, one GPU; needs the `bench` extra), TRL's GRPOTraine
 it the same way, cold then warm, each in a child process with caches of its own: the same built
 model (ours builds it first), vLLM in colocate mode at the same share of the GPU, the same LoRA,
 group size, completion length and micro-batch, and the same number of steps. Its set-up is the
-GRPOTrainer constructor (the model, vLLM, the trainer), its steps the first `--steps` steps.
+GRPOTrainer constructor (the model, vLLM, the trainer), its steps the first `--steps` steps. With
+`--trl-only`, TRL's runs alone, on the model an earlier invocation with the same `--scratch` built
+(so the two halves fit in separate calls of a machine lent by the call).
+
+Every run's vLLM start is split into the parts vLLM logs (`vllm_parts`: loading the weights,
+torch.compile, the memory profile before the KV cache, CUDA-graph capture and how many graphs,
+the whole engine init), for ours and TRL's alike, so a gap between the two says where it is.
 
 Writes setup_time_<config>_<hardware>.json.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,6 +46,15 @@ import common  # noqa: E402  (the benchmarks' shared helpers sit next to this sc
 BENCHMARK = "setup_time"
 REPO = Path(__file__).resolve().parent.parent
 PARTS = ("data_s", "model_s", "tokenizer_s", "engines_start_s", "trainer_start_s")
+# vLLM 0.24's start-up log lines, each a part of an engine's start (seconds unless named otherwise)
+VLLM_PARTS = {
+    "weights_s": r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds",
+    "compile_s": r"torch\.compile took ([\d.]+) s in total",
+    "graphs": r"Profiling CUDA graph memory: PIECEWISE=(\d+)",
+    "graphs_full": r"Profiling CUDA graph memory: .*FULL=(\d+)",
+    "capture_s": r"Graph capturing finished in ([\d.]+) secs",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -53,10 +69,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="appended to the result's file name")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="a run that takes longer is an error")
     p.add_argument("--trl", action="store_true", help="TRL's GRPOTrainer (vLLM colocate) set up beside, cold and warm")
+    p.add_argument("--trl-only", action="store_true",
+                   help="TRL's runs alone, on the model an earlier run with the same --scratch built")
     p.add_argument("--trl-child", help=argparse.SUPPRESS)  # internal: one TRL set-up, in a process of its own
     args = p.parse_args(argv)
     if args.steps < 1 or args.warm < 0:
         p.error("--steps must be >= 1 and --warm >= 0")
+    if args.trl_only and not args.scratch:
+        p.error("--trl-only takes the model an earlier run built under --scratch: name that directory")
+    args.trl = args.trl or args.trl_only
     return args
 
 
@@ -84,7 +105,19 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
             "setup_s": s["setup_s"], **{k: s["setup"].get(k) for k in PARTS}, "steps_s": s["wall_s"],
             "rest_s": process_s - s["setup_s"] - s["wall_s"], "steps": s["steps"],
             "groups_per_s": s.get("groups_per_s"), "model_path": model_of(out),
-            "console_tail": proc.stdout.splitlines()[-12:]}
+            "vllm_parts": vllm_parts(proc.stdout + proc.stderr), "console_tail": proc.stdout.splitlines()[-12:]}
+
+
+def vllm_parts(log: str) -> dict[str, float]:
+    """The parts of a vLLM start that its log names (VLLM_PARTS; the first engine's, those it logged)."""
+    found = {}
+    for part, pattern in VLLM_PARTS.items():
+        m = re.search(pattern, log)
+        if m:
+            found[part] = float(m.group(1))
+    if "init_engine_s" in found:  # what the init spent outside compiling and capturing: mostly the memory profile
+        found["profile_s"] = found["init_engine_s"] - found.get("compile_s", 0.0) - found.get("capture_s", 0.0)
+    return found
 
 
 def model_of(run_dir: Path) -> str | None:
@@ -196,7 +229,7 @@ def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: in
         raise SystemExit(f"error: TRL run {index} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     r = json.loads(result.read_text())
     return {"run": index, "cache": "cold" if index == 0 else "warm", "process_s": process_s, **r,
-            "rest_s": process_s - r["setup_s"] - r["steps_s"]}
+            "rest_s": process_s - r["setup_s"] - r["steps_s"], "vllm_parts": vllm_parts(proc.stdout + proc.stderr)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -206,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         return {}
     hw = common.hardware()
     config = Path(args.config).stem if args.config else "cpu_default"
-    path = Path(args.out) / f"{BENCHMARK}_{config}_{common.hardware_tag(hw)}{args.tag}.json"
+    name = f"{BENCHMARK}{'_trl' if args.trl_only else ''}_{config}_{common.hardware_tag(hw)}{args.tag}"
+    path = Path(args.out) / f"{name}.json"
     runs: list[dict[str, Any]] = []
     trl: list[dict[str, Any]] = []
 
@@ -217,14 +251,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="setup-time-") as tmp:
         scratch = Path(args.scratch) if args.scratch else Path(tmp)
         scratch.mkdir(parents=True, exist_ok=True)
-        for i in range(1 + args.warm):
+        for i in range(0 if args.trl_only else 1 + args.warm):
             runs.append(one_run(args, scratch, i))
             keep_partial()
             r = runs[-1]
             print(f"run {i} ({r['cache']}): {r['process_s']:.1f} s in all, set-up {r['setup_s']:.1f} s, "
                   f"steps {r['steps_s']:.1f} s", flush=True)
         if args.trl:
-            settings = trl_settings(args.config, args.set, runs[0]["model_path"])
+            model = runs[0]["model_path"] if runs else model_of(scratch / "run-0")
+            if model is None:
+                raise SystemExit(f"error: no model under {scratch}: --trl-only needs an earlier run of ours there")
+            settings = trl_settings(args.config, args.set, model)
             for i in range(1 + args.warm):
                 trl.append(trl_run(args, scratch, i, settings))
                 keep_partial()
@@ -232,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 print(f"TRL run {i} ({r['cache']}): {r['process_s']:.1f} s in all, set-up {r['setup_s']:.1f} s, "
                       f"steps {r['steps_s']:.1f} s", flush=True)
     cols = ["run", "cache", "process_s", "setup_s", *PARTS, "steps_s", "rest_s"]
-    tbl = common.table(cols, [[r[c] for c in cols] for r in runs])
+    tbl = common.table(cols, [[r[c] for c in cols] for r in runs]) if runs else ""
     if trl:
         trl_cols = ["run", "cache", "process_s", "setup_s", "imports_s", "steps_s", "first_step_s", "rest_s"]
         tbl += "\nTRL GRPOTrainer, vLLM colocate (set-up: its constructor)\n" + common.table(
@@ -241,6 +278,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                      for o, t in zip(runs, trl))
         tbl += "; whole process: " + ", ".join(f"{o['cache']} {o['process_s'] / t['process_s']:.2f}x"
                                                for o, t in zip(runs, trl))
+    parts = ["init_engine_s", "weights_s", "compile_s", "profile_s", "capture_s", "graphs", "graphs_full"]
+    tbl += "\nvLLM's start, as its log gives it\n" + common.table(
+        ["who", "cache", *parts], [[who, r["cache"], *(r["vllm_parts"].get(p) for p in parts)]
+                                   for who, rows in (("ours", runs), ("TRL", trl)) for r in rows])
     title = f"python run.py{' --config ' + args.config if args.config else ''} --steps {args.steps} | " \
             f"{common.hardware_tag(hw)}"
     text = f"set-up time -- {title}\n{tbl}"

@@ -744,7 +744,7 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
             trl.append((call, env))
             Path(call["result"]).write_text(json.dumps({"imports_s": 1.0, "setup_s": 20.0 if len(trl) == 1 else 10.0,
                                                         "steps_s": 3.0, "first_step_s": 1.5, "steps": 2}))
-            return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+            return subprocess.CompletedProcess(cmd, 0, stdout="", stderr=vllm_log(compile_s=9.5, capture_s=3))
         if not str(cmd[1]).endswith("run.py"):
             return real_run(cmd, **kw)
         ours.append(env)
@@ -754,7 +754,7 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
         (out / "summary.json").write_text(json.dumps({
             "setup_s": 15.0 if len(ours) == 1 else 5.0, "wall_s": 1.0, "steps": 2, "groups_per_s": 3.0, "error": None,
             "setup": {"data_s": 0.1, "model_s": 1.0, "tokenizer_s": 1.0, "engines_start_s": 2.0, "trainer_start_s": 3.0}}))
-        return subprocess.CompletedProcess(cmd, 0, stdout="ready\n", stderr="")
+        return subprocess.CompletedProcess(cmd, 0, stdout="ready\n", stderr=vllm_log(compile_s=30.0, capture_s=25))
 
     monkeypatch.setattr(st.subprocess, "run", fake_run)
     rec = st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--steps", "2", "--warm", "1", "--trl",
@@ -767,6 +767,41 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
     assert {env["VLLM_CACHE_ROOT"] for _, env in trl} != {env["VLLM_CACHE_ROOT"] for env in ours}
     assert len({env["VLLM_CACHE_ROOT"] for _, env in trl}) == 1  # TRL's warm run reuses its cold run's caches
     assert "set-up: cold 0.75x, warm 0.50x" in rec["printed"]
+    # each side's vLLM start in the parts its log names
+    assert [r["vllm_parts"]["capture_s"] for r in rec["runs"] + rec["trl"]] == [25.0, 25.0, 3.0, 3.0]
+    assert rec["trl"][0]["vllm_parts"]["profile_s"] == pytest.approx(50.0 - 9.5 - 3.0)
+
+    # TRL's half alone, in a later invocation on the same scratch: on the model our cold run built
+    ours.clear(), trl.clear()
+    rec = st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--steps", "2", "--warm", "0", "--trl-only",
+                   "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
+    assert not ours and rec["runs"] == [] and trl[0][0]["settings"]["model_path"] == "/models/built"
+    assert Path(rec["files"]["json"]).name.startswith("setup_time_trl_one_gpu_")
+    with pytest.raises(SystemExit, match="no model under"):
+        st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--trl-only", "--scratch", str(tmp_path / "new"),
+                 "--out", str(tmp_path)])
+
+
+def vllm_log(compile_s: float, capture_s: int) -> str:
+    """vLLM 0.24's start-up lines, as an engine core logs them (whole-init 50 s)."""
+    return (f"(EngineCore pid=1) INFO [gpu_model_runner.py:5255] Model loading took 0.99 GiB memory and 0.95 seconds\n"
+            f"(EngineCore pid=1) INFO [monitor.py:53] torch.compile took {compile_s} s in total\n"
+            "(EngineCore pid=1) INFO [gpu_model_runner.py:6483] Profiling CUDA graph memory: PIECEWISE=83 "
+            "(largest=512), FULL=83 (largest=512)\n"
+            f"(EngineCore pid=1) INFO [gpu_model_runner.py:6656] Graph capturing finished in {capture_s} secs, took 1.00 GiB\n"
+            "(EngineCore pid=1) INFO [core.py:337] init engine (profile, create kv cache, warmup model) took 50.00 s "
+            f"(compilation: {compile_s} s)\n")
+
+
+def test_setup_times_vllm_parts_read_a_real_engine_logs_start() -> None:
+    """The parts come from vLLM 0.24's own lines: a committed log of a LoRA engine's cold start."""
+    st = load("setup_time")
+    log = (REPO / "benchmarks" / "results" /
+           "throughput_vs_staleness_vllm_server_vs_in_process_qwen2.5-0.5b_simtrainer_1xH200.log").read_text()
+    parts = st.vllm_parts(log)
+    assert parts == pytest.approx({"weights_s": 0.955868, "compile_s": 29.02, "graphs": 166, "graphs_full": 166,
+                                   "capture_s": 36, "init_engine_s": 82.80, "profile_s": 82.80 - 29.02 - 36})
+    assert st.vllm_parts("no engine here") == {}
 
 
 def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
