@@ -22,6 +22,10 @@ Invariants (beyond the Engine protocol's):
 - `max_loras` (adapters resident on the GPU at once) >= max_staleness + 1, so every version a
   running group may still use fits into one scheduler step next to the others.
 - The version is checked, not assumed: `RequestOutput.lora_request` must be the LoRARequest sent.
+- vLLM starts without a tokenizer (`skip_tokenizer_init`) where the tokenizer's files give its eos
+  id (`tokenizer_eos`): prompts and completions are token ids, and each request names that id as a
+  stop token, so it stops where vLLM's own tokenizer would have made it stop (generation_config's
+  eos ids vLLM reads itself). Otherwise vLLM loads the tokenizer as usual.
 - Full-weight updates (`full_weights=True`): no LoRA; the engine holds one version's weights.
   `load_adapter(v)` waits until none of its requests runs, pauses vLLM's scheduler (which also
   clears the prefix cache: blocks computed with the old weights must not be reused), reloads the
@@ -78,6 +82,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 import uuid
@@ -159,6 +164,36 @@ def physical_gpu(device: str) -> str:
     return entries[index]
 
 
+def tokenizer_eos(model_path: Path) -> tuple[bool, int | None]:
+    """The end-of-sequence id the model's tokenizer has, read from its files without loading it:
+    (known, id). vLLM stops a request at that id (besides generation_config.json's, which it reads
+    itself); loading the tokenizer only to learn it costs vLLM's start two loads in a row (its front
+    end, then its engine core), seconds each for a large vocabulary. known is False where the files
+    name an eos token but not its id (no tokenizer.json, say): then vLLM loads the tokenizer."""
+    def read(name: str) -> dict[str, Any]:
+        try:
+            value = json.loads((model_path / name).read_text())
+        except (OSError, ValueError):
+            return {}
+        return value if isinstance(value, dict) else {}
+
+    eos = read("tokenizer_config.json").get("eos_token") or read("special_tokens_map.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if eos is None:
+        known = (model_path / "tokenizer_config.json").is_file()  # a tokenizer without one: vLLM has None too
+        return known, None
+    if not isinstance(eos, str):
+        return False, None
+    tokenizer = read("tokenizer.json")
+    for token in tokenizer.get("added_tokens") or ():
+        if isinstance(token, dict) and token.get("content") == eos and isinstance(token.get("id"), int):
+            return True, token["id"]
+    vocab = (tokenizer.get("model") or {}).get("vocab")
+    found = vocab.get(eos) if isinstance(vocab, dict) else None
+    return (True, found) if isinstance(found, int) else (False, None)
+
+
 def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> np.ndarray:
     """Log-prob of the sampled token at each position: [T] float32.
 
@@ -232,6 +267,7 @@ class VLLMEngine:
         self._start_lock = asyncio.Lock()
         self._max_model_len = 0
         self._vocab_size = 0
+        self._eos_id: int | None = None  # the tokenizer's eos, a stop token of every request (start() reads it)
         self.graph_batch_max = 0
         self._next_lora_id = 1  # vLLM lora_int_id: > 0, never reused by this engine (across restarts too)
         self._residency = self._new_residency()  # the adapters vLLM holds or is loading, for this start
@@ -412,6 +448,9 @@ class VLLMEngine:
         if not self.model_path.is_dir():
             raise ConfigError(f"model directory {str(self.model_path)!r} does not exist")
         on_policy = not self.sampling.off_policy_settings()
+        # requests are token ids and come back as token ids (detokenize=False): vLLM needs no tokenizer
+        # where the eos id is known without one (it then stops on it as a stop token)
+        skip_tokenizer, self._eos_id = tokenizer_eos(self.model_path)
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=self.cfg.dtype,
@@ -437,6 +476,7 @@ class VLLMEngine:
             disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused
             # an episode's later turn repeats its history: cached blocks (per adapter) are not recomputed
             enable_prefix_caching=True,
+            skip_tokenizer_init=skip_tokenizer,
         )
         cuda_was_initialized = torch.cuda.is_initialized()
         t0 = time.monotonic()
@@ -515,6 +555,8 @@ class VLLMEngine:
             logprobs=0,  # just the sampled token's log-prob
             flat_logprobs=True,  # a few flat lists per completion instead of a dict per token
             detokenize=False,  # token ids are what the pipeline uses; text costs CPU time
+            # without its tokenizer vLLM knows only generation_config.json's eos ids: the tokenizer's too
+            stop_token_ids=None if self._eos_id is None else [self._eos_id],
             output_kind=self._vllm["FINAL_ONLY"],
         )
 

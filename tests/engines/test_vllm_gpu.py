@@ -252,3 +252,23 @@ def test_per_request_seed_reaches_vllm(env: Env) -> None:
     # no first token has probability >= 0.2, so unseeded ones agree by chance at most ~1 time in 5
     assert same_seeded >= n // 2, f"seed 1234 twice: {same_seeded}/{n} first tokens repeat"
     assert same_unseeded < n // 2, f"no seed: {same_unseeded}/{n} first tokens repeat"
+
+
+def test_a_completion_ends_at_the_tokenizers_eos_without_vllm_loading_the_tokenizer(env: Env) -> None:
+    """vLLM starts with skip_tokenizer_init (the eos id read from the tokenizer's files) and still stops
+    every completion at its first eos, as with its own tokenizer: no eos before the last token, the
+    last one eos exactly when it finished with "stop". The small model's vocabulary (320) makes eos
+    likely within a few hundred random tokens."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(env.model_path).eos_token_id
+    assert env.engine._llm.model_config.skip_tokenizer_init
+    gen = env.run(env.engine.generate(group(900, n=32, max_new_tokens=1024, prompt_seed=9), env.adapters[0]))
+    stopped = 0
+    for c in gen.completions:
+        tokens = c.token_ids.tolist()
+        assert eos not in tokens[:-1]
+        assert (c.finish_reason == "stop") == (tokens[-1] == eos)
+        assert c.finish_reason == "stop" or len(tokens) == 1024
+        stopped += c.finish_reason == "stop"
+    assert stopped >= 4, f"only {stopped} of 32 completions met eos in 1,024 tokens: the test shows nothing"

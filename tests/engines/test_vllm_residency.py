@@ -8,6 +8,7 @@ tests/engines/test_engine_contract.py check the same engine on vLLM itself, with
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import types
 from pathlib import Path
@@ -120,7 +121,7 @@ def run_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_loras: int,
     fake_vllm(monkeypatch)
     monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", llm)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    (tmp_path / "model").mkdir()
+    (tmp_path / "model").mkdir(parents=True, exist_ok=True)
     engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), cfg=VLLMEngineConfig(max_loras=max_loras),
                         device="cuda:0", max_staleness=1, name="vllm-residency", **engine_kwargs)
 
@@ -248,3 +249,60 @@ def test_graphs_are_captured_once_per_size_with_lora_only(tmp_path: Path, monkey
         assert not hasattr(args, "enable_lora") and not hasattr(args, "compilation_config")
     else:
         assert args.enable_lora and args.compilation_config == {"cudagraph_specialize_lora": False}
+
+
+def _word_level(directory: Path, *, eos: str | None, eos_added: bool, with_json: bool = True,
+                in_map: bool = False) -> None:
+    """A small tokenizer saved by transformers: eos (if any) an added token or a plain vocabulary entry,
+    named in tokenizer_config.json or only in special_tokens_map.json."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["a", "b", "c", "[UNK]", "</s>"])}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")), unk_token="[UNK]")
+    if eos is not None:
+        if eos_added:
+            tok.add_special_tokens({"eos_token": eos})
+        else:
+            tok.eos_token = eos
+    tok.save_pretrained(directory)
+    if in_map:  # an older layout: the special tokens in special_tokens_map.json alone
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": config.pop("eos_token")}))
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if not with_json:
+        (directory / "tokenizer.json").unlink()
+
+
+@pytest.mark.parametrize("layout", ["builtin", "added", "vocabulary", "in_map", "none"])
+def test_the_eos_read_from_the_files_is_the_one_the_tokenizer_loads_with(tmp_path: Path, layout: str) -> None:
+    """vLLM skips its tokenizer only with the eos id the loaded tokenizer would have given it."""
+    from transformers import AutoTokenizer
+
+    from pipeline.engines.vllm import tokenizer_eos
+    from pipeline.models.builtin import build_tokenizer
+
+    if layout == "builtin":
+        build_tokenizer(300).save_pretrained(tmp_path)
+    else:
+        _word_level(tmp_path, eos=None if layout == "none" else "</s>" if layout == "vocabulary" else "<|end|>",
+                    eos_added=layout in ("added", "in_map"), in_map=layout == "in_map")
+    loaded = AutoTokenizer.from_pretrained(tmp_path).eos_token_id
+    assert tokenizer_eos(tmp_path) == (True, loaded)
+    assert (loaded is None) == (layout == "none")
+
+
+def test_vllm_starts_without_a_tokenizer_only_where_its_files_give_the_eos_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the files give the eos id, vLLM starts without a tokenizer and every request stops on
+    that id; where they name an eos but not its id, vLLM loads the tokenizer and knows it itself."""
+    seen = []
+
+    async def body(engine: VLLMEngine, llm: Any) -> None:
+        seen.append((llm.args.skip_tokenizer_init, engine._sampling_params(request(0)).stop_token_ids))
+
+    for where, with_json in ((tmp_path / "a", True), (tmp_path / "b", False)):
+        _word_level(where / "model", eos="<|end|>", eos_added=True, with_json=with_json)
+        run_engine(where, monkeypatch, 2, body)
+    assert seen == [(True, [5]), (False, None)]  # "<|end|>" was added after the 5 words
