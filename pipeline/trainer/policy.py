@@ -105,8 +105,6 @@ class PolicyTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.pad_id = 0
         self.writer = StateWriter()  # a checkpoint's state written behind the steps (begin_save_state)
-        # trainer.publish = "memory": version -> its packed weights, kept while an engine may load it
-        self.shared: dict[int, Any] = {}
 
     def setup(self) -> None:
         """Load the base model and build the policy on it, as the update strategy says (blocking)."""
@@ -389,29 +387,13 @@ class PolicyTrainer:
         self.strategy.publish(self.model, Path(directory), self.collectives)
 
     def share_weights(self, keep_from: int) -> dict[str, Any]:
-        """The current version handed over in memory (trainer.publish = "memory"), as plain data.
-
-        Full weights: packed into a GPU buffer of their own, as another process on this GPU opens
-        it (`pipeline.engines.shared_weights.share`). The trainer keeps each buffer it shared until a
-        later call's `keep_from` (the oldest version an engine may still load: the one they serve)
-        passes its version; CUDA IPC memory stays the producer's, so a buffer released early would
-        leave an engine nothing to load. LoRA: the adapter's tensors (host copies) and config, what
-        its two files would hold (`pipeline.engines.shared_weights.adapter_payload`); nothing kept."""
-        from pipeline.engines import shared_weights
-
+        """The current version handed over in memory (trainer.publish = "memory"), as plain data:
+        the strategy's `share` (LoRA: the adapter's tensors and config; full weights: a GPU buffer
+        kept until `keep_from`, the oldest version an engine may still load, passes its version)."""
         assert self.model is not None, "call setup() first"
         if self.collectives.sharded:
             raise TrainerError('trainer.publish = "memory" needs one trainer process, not trainer ranks')
-        if self.strategy.name == "lora":
-            tensors, config = self.strategy.adapter(self.model)
-            return shared_weights.adapter_payload(self.version, tensors, config)
-        for version in [v for v in self.shared if v < keep_from]:
-            del self.shared[version]
-        if self.version not in self.shared:
-            self.shared[self.version] = shared_weights.pack(self.version, self.model.named_parameters())
-        if self.cfg.device.startswith("cuda"):
-            torch.cuda.ipc_collect()  # the memory of buffers released above, once no engine holds them open
-        return shared_weights.share(self.shared[self.version])
+        return self.strategy.share(self.model, self.version, keep_from)
 
     # ------------------------------------------------------------------ state (checkpoint and resume)
 

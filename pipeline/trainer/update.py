@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import ContextManager, Iterator, Protocol
+from typing import Any, ContextManager, Iterator, Protocol
 
 import torch
 
@@ -68,6 +68,12 @@ class UpdateStrategy(Protocol):
 
     def publish(self, model: torch.nn.Module, directory: Path, collectives: Collectives) -> None:
         """Write the current version into the existing `directory`."""
+        ...
+
+    def share(self, model: torch.nn.Module, version: int, keep_from: int) -> dict[str, Any]:
+        """The current version handed over in memory (trainer.publish = "memory"), as plain data an
+        engine loads it from; what stays behind for it is kept until `keep_from` (the oldest version
+        an engine may still load) passes its version."""
         ...
 
 
@@ -120,6 +126,13 @@ class LoraUpdate:
         if collectives.rank == 0:
             write_adapter(Path(directory), tensors, config)
 
+    def share(self, model: torch.nn.Module, version: int, keep_from: int) -> dict[str, Any]:
+        """The adapter's tensors (host copies) and config, what its two files would hold
+        (`pipeline.engines.shared_weights.adapter_payload`): nothing stays behind."""
+        from pipeline.engines import shared_weights
+
+        return shared_weights.adapter_payload(version, *self.adapter(model))
+
     def adapter(self, model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], bytes]:
         """What a version's two files hold: the adapter's tensors under peft's saved names (views of
         the parameters, whole on every rank) and the bytes of adapter_config.json."""
@@ -163,6 +176,7 @@ class FullUpdate:
 
     def __init__(self, cfg: TrainerConfig) -> None:
         self.cfg = cfg
+        self.shared: dict[int, Any] = {}  # trainer.publish = "memory": version -> its packed weights, kept for the engines
 
     def versions_kept(self, asked: int) -> int:
         return min(asked, FULL_KEEP_VERSIONS)
@@ -191,6 +205,22 @@ class FullUpdate:
         if collectives.rank == 0:
             with quiet_progress():
                 model.save_pretrained(str(directory), state_dict=state)
+
+
+    def share(self, model: torch.nn.Module, version: int, keep_from: int) -> dict[str, Any]:
+        """The weights packed into a GPU buffer of their own, as another process on this GPU opens it
+        (`pipeline.engines.shared_weights.share`). Each buffer shared stays until `keep_from` passes
+        its version: CUDA IPC memory stays the producer's, so a buffer released early would leave an
+        engine nothing to load."""
+        from pipeline.engines import shared_weights
+
+        for kept in [v for v in self.shared if v < keep_from]:
+            del self.shared[kept]
+        if version not in self.shared:
+            self.shared[version] = shared_weights.pack(version, model.named_parameters())
+        if self.cfg.device.startswith("cuda"):
+            torch.cuda.ipc_collect()  # the memory of buffers released above, once no engine holds them open
+        return shared_weights.share(self.shared[version])
 
 
 UPDATES = {"lora": LoraUpdate, "full": FullUpdate}

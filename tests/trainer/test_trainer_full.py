@@ -348,14 +348,14 @@ def test_shared_versions_are_the_weights_of_their_step_and_kept_until_engines_pa
         trainer.step(_batch(step))
         payloads[step] = trainer.share_weights(keep_from)
         assert payloads[step]["version"] == trainer.version == step
-        assert sorted(trainer.shared) == [v for v in range(keep_from, step + 1) if v >= 1]
+        assert sorted(trainer.strategy.shared) == [v for v in range(keep_from, step + 1) if v >= 1]
         now = dict(trainer.model.named_parameters())
         for name, tensor in shared_weights.unpack(payloads[step]["packed"].flat, payloads[step]["packed"].layout):
             assert torch.equal(tensor, now[name].detach()), name
     # version 3's buffer still holds version 3 after step 4 moved the weights
     before = {n: t.clone() for n, t in shared_weights.unpack(payloads[3]["packed"].flat, payloads[3]["packed"].layout)}
     assert any(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
-    assert trainer.shared[3] is payloads[3]["packed"]
+    assert trainer.strategy.shared[3] is payloads[3]["packed"]
     # a second call for the same version shares the same buffer, not a second copy
     assert trainer.share_weights(3)["packed"] is payloads[4]["packed"]
 
