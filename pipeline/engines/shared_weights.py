@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -205,6 +206,22 @@ def open_shared(payload: dict[str, Any]) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return rebuild_cuda_tensor(*ipc_args(payload["ipc"], torch.cuda.current_device()))
+
+
+# vLLM 0.24's layerwise reload (`reload_weights`, from a directory or from memory) warns
+# "RotaryEmbedding: Failed to load weights" at every version: that layer's only tensor is its cos/sin
+# cache, a buffer no checkpoint holds, which vLLM puts back as it was. The same warning for any other
+# layer (weights a version did not replace) is kept. Installed where vLLM's worker imports this module.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_ROTARY_NOTE = "RotaryEmbedding: Failed to load weights"
+
+
+class _NoRotaryReloadNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != _ROTARY_NOTE
+
+
+logging.getLogger(RELOAD_LOGGER).addFilter(_NoRotaryReloadNote())
 
 
 class SharedWeightsWorker:

@@ -205,3 +205,17 @@ def test_a_lora_payload_reads_back_exactly_and_refuses_any_change() -> None:
             bad["config"] = b'{"r": 8}'
         with pytest.raises(ValueError, match="the adapter's sha256 is .* it changed on its way"):
             sw.adapter_tensors(bad)
+
+
+def test_the_reloads_rotary_note_is_dropped_and_every_other_layers_warning_kept(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's layerwise reload warns for the rotary embedding at every version (its cos/sin cache is no
+    checkpoint tensor and is put back as it was): dropped where the worker imports this module. The
+    same warning for another layer means weights a version did not replace, and is kept."""
+    import logging
+
+    reload_log = logging.getLogger(sw.RELOAD_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=sw.RELOAD_LOGGER):
+        reload_log.warning("%s: Failed to load weights", "RotaryEmbedding")
+        reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")
+    assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
