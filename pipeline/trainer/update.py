@@ -206,7 +206,6 @@ class FullUpdate:
             with quiet_progress():
                 model.save_pretrained(str(directory), state_dict=state)
 
-
     def share(self, model: torch.nn.Module, version: int, keep_from: int) -> dict[str, Any]:
         """The weights packed into a GPU buffer of their own, as another process on this GPU opens it
         (`pipeline.engines.shared_weights.share`). Each buffer shared stays until `keep_from` passes
