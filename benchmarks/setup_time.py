@@ -20,9 +20,11 @@ GRPOTrainer constructor (the model, vLLM, the trainer), its steps the first `--s
 `--trl-only`, TRL's runs alone, on the model an earlier invocation with the same `--scratch` built
 (so the two halves fit in separate calls of a machine lent by the call).
 
-Every run's vLLM start is split into the parts vLLM logs (`vllm_parts`: loading the weights,
-torch.compile, the memory profile before the KV cache, CUDA-graph capture and how many graphs,
-the whole engine init), for ours and TRL's alike, so a gap between the two says where it is.
+Every run's vLLM start is split into the parts vLLM logs (`vllm_parts`: the front end's time from
+its config to the engine core's first line, which for an AsyncLLM holds the spawn of the core's
+process and its imports; then the core's weights, torch.compile, the memory profile before the KV
+cache, CUDA-graph capture and how many graphs, and its whole init), for ours and TRL's alike, so
+a gap between the two says where it is.
 
 Writes setup_time_<config>_<hardware>.json.
 """
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -55,6 +58,10 @@ VLLM_PARTS = {
     "capture_s": r"Graph capturing finished in ([\d.]+) secs",
     "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
 }
+# between these two lines (their timestamps, to the second): the front end's work after its config
+# (its tokenizer) and, for an AsyncLLM, the spawn of the engine core's process and its imports
+_STAMP = r"(\d\d-\d\d \d\d:\d\d:\d\d) \[[\w.]+:\d+\] "
+FRONT_END, CORE_FIRST = _STAMP + "Resolved architecture", _STAMP + "Initializing a V1 LLM engine"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -117,6 +124,12 @@ def vllm_parts(log: str) -> dict[str, float]:
             found[part] = float(m.group(1))
     if "init_engine_s" in found:  # what the init spent outside compiling and capturing: mostly the memory profile
         found["profile_s"] = found["init_engine_s"] - found.get("compile_s", 0.0) - found.get("capture_s", 0.0)
+    front, core = re.search(FRONT_END, log), re.search(CORE_FIRST, log)
+    if front and core:
+        def at(stamp: str) -> datetime:
+            return datetime.strptime(stamp, "%m-%d %H:%M:%S")
+
+        found["before_core_s"] = (at(core.group(1)) - at(front.group(1))).total_seconds()
     return found
 
 
@@ -278,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                      for o, t in zip(runs, trl))
         tbl += "; whole process: " + ", ".join(f"{o['cache']} {o['process_s'] / t['process_s']:.2f}x"
                                                for o, t in zip(runs, trl))
-    parts = ["init_engine_s", "weights_s", "compile_s", "profile_s", "capture_s", "graphs", "graphs_full"]
+    parts = ["before_core_s", "init_engine_s", "weights_s", "compile_s", "profile_s", "capture_s", "graphs",
+             "graphs_full"]
     tbl += "\nvLLM's start, as its log gives it\n" + common.table(
         ["who", "cache", *parts], [[who, r["cache"], *(r["vllm_parts"].get(p) for p in parts)]
                                    for who, rows in (("ours", runs), ("TRL", trl)) for r in rows])

@@ -796,11 +796,15 @@ def vllm_log(compile_s: float, capture_s: int) -> str:
 def test_setup_times_vllm_parts_read_a_real_engine_logs_start() -> None:
     """The parts come from vLLM 0.24's own lines: a committed log of a LoRA engine's cold start."""
     st = load("setup_time")
-    log = (REPO / "benchmarks" / "results" /
-           "throughput_vs_staleness_vllm_server_vs_in_process_qwen2.5-0.5b_simtrainer_1xH200.log").read_text()
+    results = REPO / "benchmarks" / "results"
+    log = (results / "throughput_vs_staleness_vllm_server_vs_in_process_qwen2.5-0.5b_simtrainer_1xH200.log").read_text()
     parts = st.vllm_parts(log)
     assert parts == pytest.approx({"weights_s": 0.955868, "compile_s": 29.02, "graphs": 166, "graphs_full": 166,
-                                   "capture_s": 36, "init_engine_s": 82.80, "profile_s": 82.80 - 29.02 - 36})
+                                   "capture_s": 36, "init_engine_s": 82.80, "profile_s": 82.80 - 29.02 - 36,
+                                   "before_core_s": 32.0})  # 10:30:53 "Resolved architecture", 10:31:25 the core's
+    # a warm full-weight start: the front end at 02:47:59, the core's first line at 02:48:24
+    warm = st.vllm_parts((results / "throughput_vs_staleness_vllm_qwen2.5-0.5b_full_memory_1xH100-80GB-HBM3.log").read_text())
+    assert warm["before_core_s"] == 25.0 and warm["compile_s"] == 3.16 and warm["graphs"] == 35
     assert st.vllm_parts("no engine here") == {}
 
 
