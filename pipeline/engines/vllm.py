@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import time
 import uuid
@@ -111,6 +110,7 @@ from pipeline.errors import (
     GenerationError,
     PipelineError,
 )
+from pipeline.models import model_json
 from pipeline.observe.metrics import BusyMeter
 from pipeline.types import AdapterRef, Completion, Generation, GroupRequest, Prompt
 
@@ -170,14 +170,8 @@ def tokenizer_eos(model_path: Path) -> tuple[bool, int | None]:
     itself); loading the tokenizer only to learn it costs vLLM's start two loads in a row (its front
     end, then its engine core), seconds each for a large vocabulary. known is False where the files
     name an eos token but not its id (no tokenizer.json, say): then vLLM loads the tokenizer."""
-    def read(name: str) -> dict[str, Any]:
-        try:
-            value = json.loads((model_path / name).read_text())
-        except (OSError, ValueError):
-            return {}
-        return value if isinstance(value, dict) else {}
-
-    eos = read("tokenizer_config.json").get("eos_token") or read("special_tokens_map.json").get("eos_token")
+    eos = model_json(model_path, "tokenizer_config.json").get("eos_token") or \
+        model_json(model_path, "special_tokens_map.json").get("eos_token")
     if isinstance(eos, dict):
         eos = eos.get("content")
     if eos is None:
@@ -185,7 +179,7 @@ def tokenizer_eos(model_path: Path) -> tuple[bool, int | None]:
         return known, None
     if not isinstance(eos, str):
         return False, None
-    tokenizer = read("tokenizer.json")
+    tokenizer = model_json(model_path, "tokenizer.json")
     for token in tokenizer.get("added_tokens") or ():
         if isinstance(token, dict) and token.get("content") == eos and isinstance(token.get("id"), int):
             return True, token["id"]

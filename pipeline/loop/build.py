@@ -12,7 +12,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +23,7 @@ from pipeline.config.schema import RunConfig
 from pipeline.devices import trainer_threads
 from pipeline.engines.base import Engine
 from pipeline.errors import ConfigError, EngineDeadError
+from pipeline.models import model_json
 from pipeline.data.tasks import PromptSource, build_task
 
 log = structlog.get_logger(__name__)
@@ -164,13 +164,7 @@ def load_tokenizer(cfg: RunConfig, model_path: str | None) -> Any:
 
 def model_config_value(model_path: str | None, key: str) -> Any:
     """`key` of the model's config.json; None without a model, a readable config.json or the key."""
-    if model_path is None:
-        return None
-    try:
-        conf = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return conf.get(key) if isinstance(conf, dict) else None
+    return None if model_path is None else model_json(model_path, "config.json").get(key)
 
 
 def max_context(model_path: str | None) -> int | None:
