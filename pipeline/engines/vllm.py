@@ -443,8 +443,9 @@ class VLLMEngine:
             raise ConfigError(f"model directory {str(self.model_path)!r} does not exist")
         on_policy = not self.sampling.off_policy_settings()
         # requests are token ids and come back as token ids (detokenize=False): vLLM needs no tokenizer
-        # where the eos id is known without one (it then stops on it as a stop token)
-        skip_tokenizer, self._eos_id = tokenizer_eos(self.model_path)
+        # where the eos id is known without one (it then stops on it as a stop token). Read off the
+        # loop: tokenizer.json is 29 MB for the built-in models (0.4 s), and a restart runs mid-run.
+        skip_tokenizer, self._eos_id = await asyncio.to_thread(tokenizer_eos, self.model_path)
         args = AsyncEngineArgs(
             model=str(self.model_path),
             dtype=self.cfg.dtype,
