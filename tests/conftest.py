@@ -96,6 +96,31 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return models.build_model("tiny", tmp_path_factory.mktemp("models"))
 
 
+def word_level_tokenizer(directory: Path, *, eos: str | None, eos_added: bool, with_json: bool = True,
+                         in_map: bool = False, words: tuple[str, ...] = ("a", "b", "c", "[UNK]", "</s>")) -> None:
+    """A small tokenizer saved by transformers, `words` its vocabulary (id = position; "[UNK]" among them):
+    eos (if any) an added token or a plain vocabulary entry, named in tokenizer_config.json or only
+    in special_tokens_map.json."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")), unk_token="[UNK]")
+    if eos is not None:
+        if eos_added:
+            tok.add_special_tokens({"eos_token": eos})
+        else:
+            tok.eos_token = eos
+    tok.save_pretrained(directory)
+    if in_map:  # an older layout: the special tokens in special_tokens_map.json alone
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": config.pop("eos_token")}))
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if not with_json:
+        (directory / "tokenizer.json").unlink()
+
+
 # --------------------------------------------------------------------------- simulated runs
 
 

@@ -31,6 +31,9 @@ Invariants:
 - The server behaves as `vllm serve --skip-tokenizer-init` unless a `decode` function is given:
   choice text is the engine's Completion.text (usually ""), and log-probs need
   `return_tokens_as_token_ids` (tokens read "token_id:<id>").
+- `stop_token_ids`: a completion ends at the first of them it samples, that token kept, with
+  finish_reason "stop" (vLLM stops sampling there; the stand-in cuts the engine's longer sample,
+  whose tokens and log-probs up to that point are the same).
 - An adapter's version is the "version" of the manifest.json in its directory (the
   AdapterStore writes one), else the number in an AdapterStore directory name
   ("v000007-1a2b3c4d"), else a per-server counter from 1 (the same path keeps its number on a
@@ -64,6 +67,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
@@ -75,7 +79,7 @@ from aiohttp import web  # noqa: E402
 
 from pipeline.config.schema import SamplingConfig  # noqa: E402
 from pipeline.engines.base import Engine  # noqa: E402
-from pipeline.types import AdapterRef, Generation, GroupRequest, Prompt  # noqa: E402
+from pipeline.types import AdapterRef, Completion, Generation, GroupRequest, Prompt  # noqa: E402
 
 VLLM_VERSION = "0.24.0"
 GUARDED_PREFIX = ("/v1", "/v2", "/inference")  # vLLM's AuthenticationMiddleware guards these
@@ -406,6 +410,9 @@ class VLLMStandIn:
         n = _field(body, "n", int, 1)
         max_tokens = _field(body, "max_tokens", int, DEFAULT_MAX_TOKENS)
         seed = _field(body, "seed", int, None)
+        stop_ids = _field(body, "stop_token_ids", list, [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise _invalid_body("stop_token_ids must be a list of integers", "stop_token_ids")
         as_ids = _field(body, "return_tokens_as_token_ids", bool, False)
         with_ids = _field(body, "return_token_ids", bool, False)
         sampling = {k: _field(body, k, int if k == "top_k" else float, None)
@@ -435,7 +442,7 @@ class VLLMStandIn:
         request_id = f"cmpl-{request.headers.get('X-Request-Id') or _random_id()}"
         group = GroupRequest(group_id=next(self._group_ids), prompt=Prompt(request_id, "", tuple(prompt)),
                              n=n, max_new_tokens=max_tokens, seed=seed)
-        generation = await self._generate(group, adapter)
+        generation = _stopped(await self._generate(group, adapter), set(stop_ids))
         return _json(self._response(generation, request_id, model or self.model_name,
                                     logprobs, as_ids, with_ids))
 
@@ -550,6 +557,19 @@ class VLLMStandIn:
             at += len(token)
         return {"text_offset": offsets, "token_logprobs": clamped, "tokens": tokens,
                 "top_logprobs": [{token: lp} for token, lp in zip(tokens, clamped)]}
+
+
+def _stopped(generation: Generation, stop_ids: set[int]) -> Generation:
+    """`generation` with each completion cut after the first token in `stop_ids` (finish_reason "stop")."""
+    def cut(c: Completion) -> Completion:
+        at = next((i for i, t in enumerate(c.token_ids.tolist()) if t in stop_ids), None)
+        if at is None:
+            return c
+        return dataclasses.replace(c, token_ids=c.token_ids[:at + 1], logprobs=c.logprobs[:at + 1],
+                                   finish_reason="stop")
+    if not stop_ids:
+        return generation
+    return dataclasses.replace(generation, completions=tuple(cut(c) for c in generation.completions))
 
 
 # --------------------------------------------------------------------------- as a process

@@ -18,6 +18,11 @@ Invariants:
   long as the server (an event loop's).
 - `start()` returns once GET /health answers 200. If the server exits first or does not answer
   within the timeout, it is stopped and EngineDeadError is raised with the end of its log.
+- With `skip_tokenizer_init`, the server starts with --skip-tokenizer-init where the model's
+  tokenizer files give its eos id (`eos_id`, read by `start()`; engines.vllm.tokenizer_eos), as
+  the in-process engine does; not where the flags name another tokenizer. Such a server stops a
+  completion at that eos only when the request names it in stop_token_ids: a VLLMServerEngine
+  given the server does (pipeline runs launch servers so), a client that knows only its URL does not.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Callable, Sequence
 import structlog
 
 from pipeline.devices import ENV_LOCK
-from pipeline.engines.vllm import physical_gpu
+from pipeline.engines.vllm import physical_gpu, tokenizer_eos
 from pipeline.errors import ConfigError, EngineDeadError
 
 log = structlog.get_logger(__name__)
@@ -65,13 +70,14 @@ class VLLMServeProcess:
                  host: str = "127.0.0.1", port: int = 0, gpu_memory_utilization: float = 0.85,
                  max_model_len: int = 2048, max_num_seqs: int = 1024, max_lora_rank: int = 16, max_loras: int = 3,
                  enforce_eager: bool = False, max_cudagraph_capture_size: int = 0, extra: Sequence[str] = (),
-                 program: Sequence[str] = VLLM_SERVE,
+                 skip_tokenizer_init: bool = False, program: Sequence[str] = VLLM_SERVE,
                  grace_s: float = 30.0) -> None:
         """The defaults are engine.vllm's (max_loras: max_staleness + 2 at max_staleness 1).
 
         port: 0 = a free one, chosen now (so `url` is known before `start()`).
         max_cudagraph_capture_size: the largest batch captured as a CUDA graph; 0 = vLLM's own default.
         extra: more `vllm serve` flags, appended as given.
+        skip_tokenizer_init: start without the tokenizer where its files give the eos id (see above).
         program: the command the model path and flags are appended to; tests put a stand-in here.
         grace_s: how long `stop()` waits after SIGTERM before SIGKILL.
         """
@@ -85,6 +91,7 @@ class VLLMServeProcess:
         self.host = host
         self.port = port or free_port()
         self.grace_s = grace_s
+        self.skip_tokenizer_init = skip_tokenizer_init
         self.argv = [*program, str(self.model_path), "--host", host, "--port", str(self.port),
                      "--gpu-memory-utilization", str(gpu_memory_utilization), "--max-model-len", str(max_model_len),
                      "--max-num-seqs", str(max_num_seqs), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
@@ -96,6 +103,7 @@ class VLLMServeProcess:
         # a server on every interface is still reached through this host's loopback
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{self.port}"
         self.pid: int | None = None  # the server's, once started; also its process group's id
+        self.eos_id: int | None = None  # the tokenizer's eos, once started without its tokenizer
         self.returncode: int | None = None  # once stopped
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -103,9 +111,14 @@ class VLLMServeProcess:
         """Start the server and return `url` once GET /health answers 200 (within `timeout_s`)."""
         if self._proc is not None:
             raise RuntimeError(f"vllm serve on {self.url} is already started")
+        # without its tokenizer, vLLM's front end and its engine core each skip a load of it (seconds
+        # for a large vocabulary); tokenizer.json is read off the loop (29 MB for the built-in models)
+        skip, self.eos_id = False, None
+        if self.skip_tokenizer_init and not any(a == "--tokenizer" or a.startswith("--tokenizer=") for a in self.argv):
+            skip, self.eos_id = await asyncio.to_thread(tokenizer_eos, self.model_path)
         # on this thread, not a worker's: the death signal follows the thread that starts the child
         # (a fork and an exec: quick)
-        self._proc = self._spawn()
+        self._proc = self._spawn(["--skip-tokenizer-init"] if skip else [])
         self.pid, self.returncode = self._proc.pid, None
         t0 = time.monotonic()
         try:
@@ -150,14 +163,14 @@ class VLLMServeProcess:
         except OSError as e:  # the error it is quoted in matters more than the tail
             return f"(cannot read {self.log_path}: {e})"
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
-        """The server's process, in its own process group, its output in the log."""
+    def _spawn(self, flags: list[str]) -> subprocess.Popen[bytes]:
+        """The server's process (`argv` and `flags`), in its own process group, its output in the log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = self._child_env()
         with open(self.log_path, "wb") as out:  # the child writes through its own copy of the descriptor
             # preexec_fn is unsafe beside threads when it takes a lock another thread held at the
             # fork; this one calls only prctl (looked up before the fork) and getppid
-            proc = subprocess.Popen([sys.executable, str(_GUARD), str(os.getpid()), "--", *self.argv], env=env,
+            proc = subprocess.Popen([sys.executable, str(_GUARD), str(os.getpid()), "--", *self.argv, *flags], env=env,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_die_with_parent())
         log.info("vllm_serve_started", pid=proc.pid, url=self.url, gpu=env["CUDA_VISIBLE_DEVICES"],

@@ -28,7 +28,9 @@ Invariants (beyond the Engine protocol's):
   requests, unregisters its adapters and leaves the server running. A server the engine was
   given to launch (`server`, engine.vllm_server.launch) is started by `start()` and stopped, its
   whole process group, by `close()`: a restart of the engine is a new server on the same port,
-  and a server that died is restarted that way.
+  and a server that died is restarted that way. A launched server started without its tokenizer
+  (vllm_launch says when) stops each completion at the tokenizer's eos because every request
+  names it in stop_token_ids.
 """
 
 from __future__ import annotations
@@ -309,6 +311,9 @@ class VLLMServerEngine:
             "return_tokens_as_token_ids": True,  # no detokenizing of each logprob entry on the server
             "stream": False,
         }
+        eos = None if self.server is None else self.server.eos_id
+        if eos is not None:  # a server launched without its tokenizer knows no eos but generation_config's
+            body["stop_token_ids"] = [eos]
         if request.seed is not None:
             body["seed"] = request.seed
         return body

@@ -285,7 +285,8 @@ def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed
             max_num_seqs=vc.max_num_seqs, max_lora_rank=vc.max_lora_rank,
             max_loras=sc.max_loaded_adapters or K + 2, enforce_eager=vc.enforce_eager,
             max_cudagraph_capture_size=graph_sequences(cfg),
-            extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), program=sc.command or VLLM_SERVE)
+            extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), skip_tokenizer_init=True,
+            program=sc.command or VLLM_SERVE)
         engines.append(VLLMServerEngine(server.url, sampling=cfg.sampling, cfg=sc, max_staleness=K,
                                         name=f"vllm-server-{i}", server=server,
                                         server_timeout_s=cfg.engine.start_timeout_s, server_gate=gates[device]))

@@ -109,6 +109,7 @@ def test_a_run_on_two_launched_servers_accounts_for_every_group_and_leaves_none(
         assert argv[argv.index("--max-loras") + 1] == "3" and "--enable-lora" in argv
         # CUDA graphs for the most sequences a server can run here: (K + 1) x B x n over 2 servers
         assert argv[argv.index("--max-cudagraph-capture-size") + 1] == str((1 + 1) * 4 * 4 // 2)
+        assert "--skip-tokenizer-init" in argv  # the built-in tokenizer's files give its eos id
     stopped = [e for e in events if e.get("event") == "vllm_serve_stopped"]
     assert len(stopped) == 2
     assert _none_left([e["pid"] for e in started]) == []

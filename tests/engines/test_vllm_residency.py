@@ -8,7 +8,6 @@ tests/engines/test_engine_contract.py check the same engine on vLLM itself, with
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import types
 from pathlib import Path
@@ -16,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
 import pytest
+from conftest import word_level_tokenizer
 
 from pipeline.config.schema import SamplingConfig, VLLMEngineConfig
 from pipeline.engines.vllm import VLLMEngine
@@ -251,30 +251,6 @@ def test_graphs_are_captured_once_per_size_with_lora_only(tmp_path: Path, monkey
         assert args.enable_lora and args.compilation_config == {"cudagraph_specialize_lora": False}
 
 
-def _word_level(directory: Path, *, eos: str | None, eos_added: bool, with_json: bool = True,
-                in_map: bool = False) -> None:
-    """A small tokenizer saved by transformers: eos (if any) an added token or a plain vocabulary entry,
-    named in tokenizer_config.json or only in special_tokens_map.json."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate(["a", "b", "c", "[UNK]", "</s>"])}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="[UNK]")), unk_token="[UNK]")
-    if eos is not None:
-        if eos_added:
-            tok.add_special_tokens({"eos_token": eos})
-        else:
-            tok.eos_token = eos
-    tok.save_pretrained(directory)
-    if in_map:  # an older layout: the special tokens in special_tokens_map.json alone
-        config = json.loads((directory / "tokenizer_config.json").read_text())
-        (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": config.pop("eos_token")}))
-        (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    if not with_json:
-        (directory / "tokenizer.json").unlink()
-
-
 @pytest.mark.parametrize("layout", ["builtin", "added", "vocabulary", "in_map", "none"])
 def test_the_eos_read_from_the_files_is_the_one_the_tokenizer_loads_with(tmp_path: Path, layout: str) -> None:
     """vLLM skips its tokenizer only with the eos id the loaded tokenizer would have given it."""
@@ -286,8 +262,8 @@ def test_the_eos_read_from_the_files_is_the_one_the_tokenizer_loads_with(tmp_pat
     if layout == "builtin":
         build_tokenizer(300).save_pretrained(tmp_path)
     else:
-        _word_level(tmp_path, eos=None if layout == "none" else "</s>" if layout == "vocabulary" else "<|end|>",
-                    eos_added=layout in ("added", "in_map"), in_map=layout == "in_map")
+        word_level_tokenizer(tmp_path, eos=None if layout == "none" else "</s>" if layout == "vocabulary" else "<|end|>",
+                             eos_added=layout in ("added", "in_map"), in_map=layout == "in_map")
     loaded = AutoTokenizer.from_pretrained(tmp_path).eos_token_id
     assert tokenizer_eos(tmp_path) == (True, loaded)
     assert (loaded is None) == (layout == "none")
@@ -303,6 +279,6 @@ def test_vllm_starts_without_a_tokenizer_only_where_its_files_give_the_eos_id(
         seen.append((llm.args.skip_tokenizer_init, engine._sampling_params(request(0)).stop_token_ids))
 
     for where, with_json in ((tmp_path / "a", True), (tmp_path / "b", False)):
-        _word_level(where / "model", eos="<|end|>", eos_added=True, with_json=with_json)
+        word_level_tokenizer(where / "model", eos="<|end|>", eos_added=True, with_json=with_json)
         run_engine(where, monkeypatch, 2, body)
     assert seen == [(True, [5]), (False, None)]  # "<|end|>" was added after the 5 words

@@ -20,11 +20,17 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, word_level_tokenizer
+from transformers import AutoTokenizer
 
+from pipeline.config.schema import SamplingConfig, VLLMServerEngineConfig
+from pipeline.engines.simulated import SimulatedEngine
 from pipeline.engines.vllm_launch import VLLMServeProcess
+from pipeline.engines.vllm_server import VLLMServerEngine
 from pipeline.errors import EngineDeadError
+from pipeline.types import AdapterRef, Completion, GroupRequest, Prompt
 
 STAND_IN = Path(__file__).resolve().parents[1] / "vllm_stand_in.py"
 SIMULATED = ("--stand-in-engine", "simulated")  # the model path names no model
@@ -113,6 +119,46 @@ def test_start_waits_for_health_and_narrows_the_gpu_for_the_child_only(tmp_path:
         assert argv[argv.index(flag) + 1] == value, (flag, argv)
     assert {"--enable-lora", "--enforce-eager", "--stand-in-delay"} <= set(argv)
     assert json.loads(argv[argv.index("--compilation-config") + 1]) == {"cudagraph_specialize_lora": False}
+    assert "--skip-tokenizer-init" not in argv and server.eos_id is None  # no tokenizer files: vLLM loads its own
+
+
+def test_a_server_whose_tokenizer_names_its_eos_starts_without_it_and_stops_there(tmp_path: Path) -> None:
+    """Asked to, the server skips its tokenizer where the files give the eos id, and every completion
+    the engine gets from it ends at its first eos (which the stand-in, like vLLM without a
+    tokenizer, only knows from the request); flags naming another tokenizer keep vLLM's own, and
+    so does a server not asked to (a client that knows only its URL sends no stop ids)."""
+    # the eos: the id the stand-in's simulated engine samples most often (p 0.12-0.42), so completions reach it
+    likeliest = int(np.argmax(SimulatedEngine(name="stand-in").policy_logprobs()))
+    word_level_tokenizer(tmp_path / "model", eos=f"t{likeliest}", eos_added=False,
+                         words=("[UNK]", *(f"t{i}" for i in range(1, 128))))
+    eos = AutoTokenizer.from_pretrained(tmp_path / "model").eos_token_id
+    server = launcher(tmp_path, skip_tokenizer_init=True)
+    engine = VLLMServerEngine(server.url, sampling=SamplingConfig(), cfg=VLLMServerEngineConfig(), server=server)
+
+    async def scenario() -> list[Completion]:
+        await engine.start()
+        try:
+            groups = [await engine.generate(GroupRequest(group_id=g, prompt=Prompt(str(g), "", (1, 2)), n=8,
+                                                         max_new_tokens=16), AdapterRef.base()) for g in range(8)]
+        finally:
+            await engine.close()
+        return [c for generation in groups for c in generation.completions]
+
+    completions = run(scenario())
+    assert "--skip-tokenizer-init" in log_lines(server)[0]["argv"] and server.eos_id == eos == likeliest
+    stopped = [c for c in completions if eos in c.token_ids.tolist()]
+    assert len(stopped) >= 16, f"only {len(stopped)} of {len(completions)} completions sampled the eos"
+    for c in completions:
+        if eos in c.token_ids.tolist():
+            assert c.token_ids.tolist().index(eos) == len(c.token_ids) - 1 and c.finish_reason == "stop"
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == 16
+
+    for knobs, skip in ((("--tokenizer", str(tmp_path / "model")), True), ((), False)):
+        other = launcher(tmp_path, *knobs, skip_tokenizer_init=skip)
+        run(other.start(timeout_s=10))
+        run(other.stop())
+        assert "--skip-tokenizer-init" not in log_lines(other)[0]["argv"] and other.eos_id is None, knobs
 
 
 @linux_only
