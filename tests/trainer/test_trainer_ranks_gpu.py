@@ -4,7 +4,8 @@
   whole run whose log-prob checks (engine against the sharded trainer, under the version that
   sampled) stay within the contract's bound.
 - Two `vllm serve` launched by the pipeline at 0.4 of one GPU each, 20 steps: every group
-  accounted for, both servers used, none left running (no process, no GPU memory) afterwards.
+  accounted for, both servers used, started without their tokenizer yet stopping completions at
+  its eos, none left running (no process, no GPU memory) afterwards.
 - With three or more GPUs: the trainer's step time against world size (vLLM's GPU 0 left out),
   benchmarks/trainer_scaling.py's workload. Skipped on fewer.
 
@@ -23,10 +24,12 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from test_engine_contract import VLLM_MEAN_ABS_DLOGPROB, VLLM_WARNING_FILTERS, vllm_unavailable
+from transformers import AutoTokenizer
 
 from pipeline.config.io import load_config
 from pipeline.observe.metrics import read_jsonl
 from pipeline.loop.orchestrator import Pipeline
+from pipeline.store.rollout_log import read_rollouts
 
 pytestmark = [pytest.mark.gpu, *VLLM_WARNING_FILTERS]
 
@@ -119,6 +122,15 @@ def test_two_launched_servers_at_0_4_of_one_gpu_run_20_steps(small: Path, tmp_pa
     rows = read_jsonl(out / "metrics.jsonl")
     checks = [r["check/mean_abs_diff"] for r in rows if "check/mean_abs_diff" in r]
     assert checks and max(checks) < VLLM_MEAN_ABS_DLOGPROB, checks
+    # the servers started without their tokenizer, and completions still end at its eos: they name
+    # it in every request (the eos comes up once in a few hundred tokens of the random model)
+    for i in range(2):
+        assert "skip_tokenizer_init=True" in (out / "servers" / f"vllm-server-{i}.log").read_text()
+    eos = AutoTokenizer.from_pretrained(small).eos_token_id
+    rollouts = read_rollouts(out / "rollouts.zarr")
+    done = [c for g in range(rollouts.num_groups) for c in rollouts.group(g)["completions"]]
+    at_eos = [(ids, reason) for ids, _, reason in done if eos in ids.tolist()]
+    assert at_eos and all(ids.tolist().index(eos) == len(ids) - 1 and reason == "stop" for ids, reason in at_eos)
     time.sleep(2)  # the kernel's reaping of the last engine core
     left, apps = _vllm_processes(), [a for a in _gpu_apps() if a not in before]
     assert left == [], left
