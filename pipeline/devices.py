@@ -37,13 +37,15 @@ def check_cuda_devices(named: Sequence[tuple[str, str]]) -> None:
     """ConfigError for the first (config key, device) naming a CUDA device this machine does not have.
 
     Said at set-up, before anything is built or loaded: torch's own error would come later and name
-    no key. Counts the devices without initialising CUDA (imports torch only for a "cuda:N")."""
+    no key. Counts the devices through NVML, without initialising the CUDA driver (imports torch only
+    for a "cuda:N"): torch.cuda.is_available() calls cuInit, after which a forked child (vLLM's
+    engine core under VLLM_WORKER_MULTIPROC_METHOD=fork) cannot use CUDA."""
     wanted = [(key, device) for key, device in named if device.startswith("cuda")]
     if not wanted:
         return
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count()  # 0 without CUDA; cudaGetDeviceCount only where NVML fails
     for key, device in wanted:
         if count == 0:
             raise ConfigError(f'{key} = "{device}" but this machine has no CUDA device')

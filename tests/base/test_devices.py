@@ -10,11 +10,15 @@ from pipeline.errors import ConfigError
 
 @pytest.fixture
 def gpus(monkeypatch: pytest.MonkeyPatch):
-    """Sets how many CUDA devices torch reports (0: none, and CUDA unavailable)."""
+    """Sets how many CUDA devices torch counts (0: none). The check may not ask is_available(), which
+    initialises the CUDA driver (cudaGetDeviceCount) and so spoils a later fork of this process."""
     import torch
 
+    def initialises_cuda() -> bool:
+        raise AssertionError("torch.cuda.is_available() initialises the CUDA driver")
+
     def have(count: int) -> None:
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+        monkeypatch.setattr(torch.cuda, "is_available", initialises_cuda)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
     return have
