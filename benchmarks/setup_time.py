@@ -101,6 +101,7 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     process_s = time.monotonic() - t0
+    (scratch / f"run-{index}.console.log").write_text(proc.stdout + proc.stderr)  # vLLM's own lines among them
     summary_path = out / "summary.json"
     if proc.returncode != 0 or not summary_path.is_file():
         raise SystemExit(f"error: run {index} ({' '.join(cmd)}) exited with {proc.returncode}:\n"
