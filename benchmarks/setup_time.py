@@ -6,7 +6,8 @@
 Each repeat runs `python run.py --config C --steps N` as a user would, in a child process. The
 first run is cold: an empty model cache (`model.cache_dir`, where built-in models are built once)
 and empty compile caches (vLLM's `VLLM_CACHE_ROOT`, torch inductor's and triton's), all in a
-scratch directory; the runs after it are warm (the same caches, so the model and vLLM's compiled
+scratch directory (unless `--scratch` names one whose caches an earlier invocation filled: then it
+is warm too); the runs after it are warm (the same caches, so the model and vLLM's compiled
 graphs are reused). For each run: the child's whole wall time, the set-up the run reports in its
 summary.json (`setup_s` and its parts: data, model, engines' start, trainer's start; engines and
 the trainer start together, so their parts overlap), the steps' wall time, and the rest (Python
@@ -92,6 +93,7 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
     """`python run.py` once, its caches under `scratch`; what it took."""
     caches = scratch / "caches"
     out = scratch / f"run-{index}"
+    cache = "warm" if caches.is_dir() else "cold"  # a scratch directory an earlier invocation filled is warm
     env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
            "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, str(REPO / "run.py"), "--steps", str(args.steps), "--out", str(out),
@@ -109,7 +111,7 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
     s = json.loads(summary_path.read_text())
     if s.get("error"):
         raise SystemExit(f"error: run {index} ended with an error: {s['error']}")
-    return {"run": index, "cache": "cold" if index == 0 else "warm", "process_s": process_s,
+    return {"run": index, "cache": cache, "process_s": process_s,
             "setup_s": s["setup_s"], **{k: s["setup"].get(k) for k in PARTS}, "steps_s": s["wall_s"],
             "rest_s": process_s - s["setup_s"] - s["wall_s"], "steps": s["steps"],
             "groups_per_s": s.get("groups_per_s"), "model_path": model_of(out),
@@ -226,6 +228,7 @@ def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: in
 
     caches = scratch / "trl-caches"
     out = scratch / f"trl-run-{index}"
+    cache = "warm" if caches.is_dir() else "cold"
     out.mkdir(parents=True, exist_ok=True)
     call, result = out / "call.json", out / "result.json"
     call.write_text(json.dumps({"settings": settings, "steps": steps, "out_dir": str(out / "trainer"),
@@ -242,7 +245,7 @@ def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: in
     if proc.returncode != 0 or not result.is_file():
         raise SystemExit(f"error: TRL run {index} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     r = json.loads(result.read_text())
-    return {"run": index, "cache": "cold" if index == 0 else "warm", "process_s": process_s, **r,
+    return {"run": index, "cache": cache, "process_s": process_s, **r,
             "rest_s": process_s - r["setup_s"] - r["steps_s"], "vllm_parts": vllm_parts(proc.stdout + proc.stderr)}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -742,12 +743,14 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
         if "--trl-child" in cmd:
             call = json.loads(Path(cmd[cmd.index("--trl-child") + 1]).read_text())
             trl.append((call, env))
+            Path(env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)  # as vLLM's start does
             Path(call["result"]).write_text(json.dumps({"imports_s": 1.0, "setup_s": 20.0 if len(trl) == 1 else 10.0,
                                                         "steps_s": 3.0, "first_step_s": 1.5, "steps": 2}))
             return subprocess.CompletedProcess(cmd, 0, stdout="", stderr=vllm_log(compile_s=9.5, capture_s=3))
         if not str(cmd[1]).endswith("run.py"):
             return real_run(cmd, **kw)
         ours.append(env)
+        Path(env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
         (out / "events.jsonl").write_text(json.dumps({"event": "pipeline_ready", "model": "/models/built"}) + "\n")
@@ -820,6 +823,7 @@ def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, mon
             return real_run(cmd, **kw)
         env = kw["env"]
         calls.append((cmd, env))
+        Path(env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)  # as run.py's engine or model cache does
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
         first = len(calls) == 1
@@ -837,6 +841,12 @@ def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, mon
     assert len(caches) == 1 and str(tmp_path / "scratch") in caches.pop()[0]  # one set of caches for all runs
     assert all(cmd[cmd.index("--steps") + 1] == "2" for cmd, _ in calls)
     assert Path(rec["files"]["json"]).name.startswith("setup_time_cpu_default_")
+    # a later invocation on a scratch directory with those caches in it: its first run is warm, not cold
+    calls.clear()
+    shutil.copytree(tmp_path / "scratch" / "caches", tmp_path / "again" / "caches")
+    rec = st.main(["--steps", "2", "--warm", "0", "--scratch", str(tmp_path / "again"), "--out", str(tmp_path),
+                   "--tag", "_again"])
+    assert [r["cache"] for r in rec["runs"]] == ["warm"]
 
     def failing(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
         if not str(cmd[1]).endswith("run.py"):
