@@ -174,7 +174,7 @@ class VLLMServeProcess:
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True, preexec_fn=_die_with_parent())
         log.info("vllm_serve_started", pid=proc.pid, url=self.url, gpu=env["CUDA_VISIBLE_DEVICES"],
-                 log=str(self.log_path))
+                 flags=flags, log=str(self.log_path))  # flags: those added to `argv` for this start
         return proc
 
     def _child_env(self) -> dict[str, str]:
