@@ -36,7 +36,10 @@ How the figures are measured:
   (waiting for a batch, plus the train loop's own bookkeeping).
 - speedup = groups/s at K / groups/s at K=0. Staleness, event-loop lag and publish-to-loaded
   latency cover the whole run; for real engines the reward is the mean over the last fifth of
-  the steps (every K trains the same number of samples).
+  the steps (every K trains the same number of samples). Publish-to-loaded is also given apart
+  for the versions published while an engine was generating ("generating"): a run whose engine
+  is idle whenever a version comes (K = 0, or a trainer-bound run) measures a load with no
+  requests to queue behind.
 - The event loop's lag with nothing else to do (the same 10 ms timer, 3 s after the standalone
   measurements; 1 s with --quick) is printed as the floor under the lag column: timer
   granularity and the machine's own scheduling noise.
@@ -294,8 +297,10 @@ async def sweep(w: Workload, scratch: Path, keep: Callable[[dict[str, Any]], Non
             print(f"[{w.kind} {w.shape}] max_staleness={K}: {r['groups_per_s']:.2f} groups/s "
                   f"({time.perf_counter() - t0:.1f} s); publish to serving p50 {_ms(r, 'publish_to_loaded_ms_p50')} "
                   f"p99 {_ms(r, 'publish_to_loaded_ms_p99')} ms (loop's wait {_ms(r, 'adapter_wait_ms_p50')}, "
-                  f"verify {_ms(r, 'adapter_verify_ms_p50')}, engines' load {_ms(r, 'adapter_load_ms_p50')} ms p50)",
-                  flush=True)
+                  f"verify {_ms(r, 'adapter_verify_ms_p50')}, engines' load {_ms(r, 'adapter_load_ms_p50')} ms p50); "
+                  f"{r['versions_published_generating']} of {r['steps']} versions published while generating, "
+                  f"p50 {_ms(r, 'publish_to_loaded_generating_ms_p50')} p99 "
+                  f"{_ms(r, 'publish_to_loaded_generating_ms_p99')} ms", flush=True)
             if keep is not None:
                 keep({"standalone": st, "results": results})
     finally:

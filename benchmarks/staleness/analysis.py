@@ -12,6 +12,8 @@ writes no file. Figures and how they are taken (the script's docstring says the 
 - Engine loads: the `seconds` of the run's `adapter_loaded` events (events.jsonl), each engine's
   own load of a version (vLLM's add_lora; a server's registration POST), apart from
   publish-to-loaded, which also holds the manifest check and the wait for every engine.
+- Publish-to-loaded under load: the versions published while an engine's busy interval held the
+  publish moment, apart from those published to idle engines.
 - Side by side (sweeps of two engines in one invocation): per K and engine, the figures above,
   and groups/s over the baseline engine's at the same K.
 """
@@ -156,6 +158,7 @@ def run_figures(p: Pipeline, K: int, warmup: int, learns: bool, group_size: int,
         "publish_to_loaded_ms_p99": float(np.percentile(p2l, 99)) if p2l.size else None,
         "publish_to_loaded_ms_max": float(p2l.max()) if p2l.size else None,
         **version_parts(p.versions.parts),
+        **under_load(p.versions.publish_t, p.versions.publish_to_loaded, [iv for e in p.engines for iv in e.busy.intervals]),
         "publish_ms_mean": 1000.0 * float(np.mean([row["time/publish_s"] for row in p.metrics_rows])),
         "drain_ms_mean": 1000.0 * s["drain_s_mean"] if s["drain_s_mean"] is not None else None,
         "groups_spanning_versions": s["groups_spanning_versions"],
@@ -178,6 +181,22 @@ def version_parts(parts: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
         name = part.removesuffix("_s")
         out[f"adapter_{name}_ms_p50"] = float(np.median(ms)) if ms.size else None
         out[f"adapter_{name}_ms_p99"] = float(np.percentile(ms, 99)) if ms.size else None
+    return out
+
+
+def under_load(published: Mapping[int, float], to_loaded: Mapping[int, float],
+               busy: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    """Publish to serving of the versions published while an engine was generating (its busy
+    interval holds the publish moment), apart from those published to idle engines: a load that
+    queues behind running requests shows only in the first (ms, p50 and p99; and how many)."""
+    runs = merged(list(busy))
+    loaded = {v: s for v, s in to_loaded.items() if v in published}
+    busy_at = {v: any(a <= published[v] < b for a, b in runs) for v in loaded}
+    out: dict[str, Any] = {"versions_published_generating": sum(busy_at.values())}
+    for name, want in (("generating", True), ("idle", False)):
+        ms = np.asarray([1000.0 * s for v, s in loaded.items() if busy_at[v] is want], dtype=np.float64)
+        out[f"publish_to_loaded_{name}_ms_p50"] = float(np.median(ms)) if ms.size else None
+        out[f"publish_to_loaded_{name}_ms_p99"] = float(np.percentile(ms, 99)) if ms.size else None
     return out
 
 
@@ -270,11 +289,16 @@ def report(res: dict[str, Any], title: str, batch_groups: int, learns: bool, not
     lines.append("a version's way to the engines, publish to serving and its parts (ms, p50 / p99): the adapter "
                  "loop getting to it, verifying it, the engines loading it")
     lines.append(common.table(
-        ["K", "versions", "publish->serving", "loop wait", "verify", "engines load"],
+        ["K", "versions", "publish->serving", "loop wait", "verify", "engines load", "of them generating",
+         "publish->serving, generating"],
         [[r["max_staleness"], r["steps"],
           *(f"{_ms(r.get(f'{k}_ms_p50'))} / {_ms(r.get(f'{k}_ms_p99'))}"
-            for k in ("publish_to_loaded", "adapter_wait", "adapter_verify", "adapter_load"))]
+            for k in ("publish_to_loaded", "adapter_wait", "adapter_verify", "adapter_load")),
+          r.get("versions_published_generating"),
+          f"{_ms(r.get('publish_to_loaded_generating_ms_p50'))} / {_ms(r.get('publish_to_loaded_generating_ms_p99'))}"]
          for r in res["results"]]))
+    lines.append("of them generating: the versions published while an engine was generating; their publish to "
+                 "serving apart (a load queued behind running requests shows there)")
     if "standalone_by_depth" in st:  # the engine alone was measured at each run's depth too (vLLM)
         for r in res["results"]:
             if r["gen_kept_of_standalone"] is not None:

@@ -135,6 +135,24 @@ def test_simulated_balanced_sweep_overlaps_generation_and_training(tmp_path: Pat
         # every group ran at the simulated engine's own speed
         assert 0.8 < r["gen_kept_of_standalone"] < 1.25
     assert k0["staleness_max"] == 0 and k1["staleness_mean"] > 0
+    # at K = 0 a version's groups start only once it serves: none is published while an engine generates
+    assert k0["versions_published_generating"] == 0 and k0["publish_to_loaded_idle_ms_p50"] > 0
+    assert k0["publish_to_loaded_generating_ms_p50"] is None
+
+
+def test_publish_to_serving_under_load_takes_the_versions_published_while_an_engine_generated() -> None:
+    analysis = load_part("analysis")
+    published = {1: 1.0, 2: 3.0, 3: 5.0, 4: 7.0}
+    to_loaded = {1: 0.05, 2: 0.2, 3: 0.1}  # version 4 never served: left out
+    # two engines, intervals overlapping; version 2 comes just after one ends, and is served as the next
+    # begins: published to idle engines
+    busy = [(4.0, 5.5), (0.5, 1.5), (5.2, 6.0), (2.0, 2.9), (3.1, 3.5)]
+    r = analysis.under_load(published, to_loaded, busy)
+    assert r["versions_published_generating"] == 2
+    assert r["publish_to_loaded_generating_ms_p50"] == pytest.approx(75.0)  # versions 1 and 3
+    assert r["publish_to_loaded_idle_ms_p50"] == pytest.approx(200.0) == r["publish_to_loaded_idle_ms_p99"]
+    none = analysis.under_load(published, to_loaded, [])
+    assert none["versions_published_generating"] == 0 and none["publish_to_loaded_generating_ms_p99"] is None
 
 
 def test_a_sweep_cut_off_after_its_first_k_keeps_that_k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
