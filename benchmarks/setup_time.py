@@ -242,6 +242,7 @@ def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: in
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-child", str(call)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout_s)
     process_s = time.monotonic() - t0
+    (scratch / f"trl-run-{index}.console.log").write_text(proc.stdout + proc.stderr)  # as ours are kept
     if proc.returncode != 0 or not result.is_file():
         raise SystemExit(f"error: TRL run {index} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
     r = json.loads(result.read_text())

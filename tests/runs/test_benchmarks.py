@@ -790,6 +790,9 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
     assert "set-up: cold 0.75x, warm 0.50x" in rec["printed"]
     # each side's vLLM start in the parts its log names
     assert [r["vllm_parts"]["capture_s"] for r in rec["runs"] + rec["trl"]] == [25.0, 25.0, 3.0, 3.0]
+    # every run's console output is kept beside it, TRL's too
+    assert "Graph capturing finished in 3 secs" in (tmp_path / "scratch" / "trl-run-1.console.log").read_text()
+    assert "Graph capturing finished in 25 secs" in (tmp_path / "scratch" / "run-0.console.log").read_text()
     assert rec["trl"][0]["vllm_parts"]["profile_s"] == pytest.approx(50.0 - 9.5 - 3.0)
 
     # TRL's half alone, in a later invocation on the same scratch: on the model our cold run built
