@@ -141,6 +141,10 @@ def test_two_launched_servers_at_0_4_of_one_gpu_run_20_steps(small: Path, tmp_pa
         "servers": [{k: e.get(k) for k in ("url", "gpu", "pid")} for e in started],
         "server_ready_s": [e.get("seconds") for e in events if e["event"] == "vllm_serve_ready"],
         "groups_per_s": [row.get("rollout/groups_per_s") for row in r],
+        # each version's publish to serving, and each server's registration of it: which were slow
+        "publish_to_loaded_s": [row.get("adapter/publish_to_loaded_s") for row in r],
+        "adapter_loads": [{k: e.get(k) for k in ("engine", "version", "seconds")}
+                          for e in events if e["event"] == "adapter_loaded"],
         "processes_left": left, "gpu_apps_left": apps})
 
 
