@@ -235,6 +235,8 @@ def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: in
                                 "result": str(result)}))
     env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
            "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1",
+           # TRL sets vLLM's logging to ERROR unless told: its start-up lines are what vllm_parts reads
+           "VLLM_LOGGING_LEVEL": "INFO",
            # TRL's colocated vLLM starts torch.distributed as one process of one
            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port())}

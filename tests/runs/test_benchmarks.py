@@ -787,6 +787,7 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
             settings["lora_rank"], settings["gpu_memory_utilization"]) == (32, 8, 256, 16, 16, 0.45)  # --set too
     assert {env["VLLM_CACHE_ROOT"] for _, env in trl} != {env["VLLM_CACHE_ROOT"] for env in ours}
     assert len({env["VLLM_CACHE_ROOT"] for _, env in trl}) == 1  # TRL's warm run reuses its cold run's caches
+    assert all(env["VLLM_LOGGING_LEVEL"] == "INFO" for _, env in trl)  # TRL would set ERROR: no start-up lines
     assert "set-up: cold 0.75x, warm 0.50x" in rec["printed"]
     # each side's vLLM start in the parts its log names
     assert [r["vllm_parts"]["capture_s"] for r in rec["runs"] + rec["trl"]] == [25.0, 25.0, 3.0, 3.0]
