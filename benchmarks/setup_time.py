@@ -6,8 +6,8 @@
 Each repeat runs `python run.py --config C --steps N` as a user would, in a child process. The
 first run is cold: an empty model cache (`model.cache_dir`, where built-in models are built once)
 and empty compile caches (vLLM's `VLLM_CACHE_ROOT`, torch inductor's and triton's), all in a
-scratch directory (unless `--scratch` names one whose caches an earlier invocation filled: then it
-is warm too); the runs after it are warm (the same caches, so the model and vLLM's compiled
+scratch directory (unless `--scratch` names one an earlier invocation filled: then it is warm too,
+and the runs are numbered after that invocation's); the runs after it are warm (the same caches, so the model and vLLM's compiled
 graphs are reused). For each run: the child's whole wall time, the set-up the run reports in its
 summary.json (`setup_s` and its parts: data, model, engines' start, trainer's start; engines and
 the trainer start together, so their parts overlap), the steps' wall time, and the rest (Python
@@ -231,6 +231,7 @@ def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: in
     cache = "warm" if caches.is_dir() else "cold"
     out.mkdir(parents=True, exist_ok=True)
     call, result = out / "call.json", out / "result.json"
+    result.unlink(missing_ok=True)  # an earlier invocation's, on the same scratch directory
     call.write_text(json.dumps({"settings": settings, "steps": steps, "out_dir": str(out / "trainer"),
                                 "result": str(result)}))
     env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
@@ -271,7 +272,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="setup-time-") as tmp:
         scratch = Path(args.scratch) if args.scratch else Path(tmp)
         scratch.mkdir(parents=True, exist_ok=True)
-        for i in range(0 if args.trl_only else 1 + args.warm):
+        first = 0  # a scratch directory an earlier invocation used: its runs stay, these follow them
+        while (scratch / f"run-{first}").exists():
+            first += 1
+        for i in range(first, first if args.trl_only else first + 1 + args.warm):
             runs.append(one_run(args, scratch, i))
             keep_partial()
             r = runs[-1]

@@ -805,6 +805,17 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
     with pytest.raises(SystemExit, match="no model under"):
         st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--trl-only", "--scratch", str(tmp_path / "new"),
                  "--out", str(tmp_path)])
+    # a TRL run that writes no result is an error, not the result an earlier invocation left there
+
+    def no_result(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        if "--trl-child" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+        return fake_run(cmd, **kw)
+
+    monkeypatch.setattr(st.subprocess, "run", no_result)
+    with pytest.raises(SystemExit, match="TRL run 0 exited with 0"):
+        st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--steps", "2", "--warm", "0", "--trl-only",
+                 "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
 
 
 def vllm_log(compile_s: float, capture_s: int) -> str:
@@ -863,12 +874,17 @@ def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, mon
     assert len(caches) == 1 and str(tmp_path / "scratch") in caches.pop()[0]  # one set of caches for all runs
     assert all(cmd[cmd.index("--steps") + 1] == "2" for cmd, _ in calls)
     assert Path(rec["files"]["json"]).name.startswith("setup_time_cpu_default_")
-    # a later invocation on a scratch directory with those caches in it: its first run is warm, not cold
+    # a later invocation on that scratch directory: its runs follow the earlier ones, the first warm too
     calls.clear()
+    rec = st.main(["--steps", "2", "--warm", "0", "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path),
+                   "--tag", "_again"])
+    assert [(r["run"], r["cache"]) for r in rec["runs"]] == [(3, "warm")]
+    assert (tmp_path / "scratch" / "run-0" / "summary.json").is_file()  # the earlier runs are left as they were
+    # one with the caches copied to a new directory: warm as well
     shutil.copytree(tmp_path / "scratch" / "caches", tmp_path / "again" / "caches")
     rec = st.main(["--steps", "2", "--warm", "0", "--scratch", str(tmp_path / "again"), "--out", str(tmp_path),
                    "--tag", "_again"])
-    assert [r["cache"] for r in rec["runs"]] == ["warm"]
+    assert [(r["run"], r["cache"]) for r in rec["runs"]] == [(0, "warm")]
 
     def failing(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
         if not str(cmd[1]).endswith("run.py"):
