@@ -4,14 +4,14 @@
     python benchmarks/setup_time.py --config examples/one_gpu.toml --steps 3
 
 Each repeat runs `python run.py --config C --steps N` as a user would, in a child process. The
-first run is cold: an empty model cache (`model.cache_dir`, where built-in models are built once)
-and empty compile caches (vLLM's `VLLM_CACHE_ROOT`, torch inductor's and triton's), all in a
-scratch directory (unless `--scratch` names one an earlier invocation filled: then it is warm too,
-and the runs are numbered after that invocation's); the runs after it are warm (the same caches,
-so the model and vLLM's compiled graphs are reused). For each run: the child's whole wall time, the set-up the run reports in its
-summary.json (`setup_s` and its parts: data, model, engines' start, trainer's start; engines and
-the trainer start together, so their parts overlap), the steps' wall time, and the rest (Python
-and library imports, shutdown).
+first run is cold: an empty model cache (`model.cache_dir`, where built-in models are built
+once) and empty compile caches (vLLM's `VLLM_CACHE_ROOT`, torch inductor's and triton's), all in
+a scratch directory (unless `--scratch` names one an earlier invocation filled: then it is warm
+too, and the runs are numbered after that invocation's); the runs after it are warm (the same
+caches, so the model and vLLM's compiled graphs are reused). For each run: the child's whole
+wall time, the set-up the run reports in its summary.json (`setup_s` and its parts: data, model,
+engines' start, trainer's start; engines and the trainer start together, so their parts
+overlap), the steps' wall time, and the rest (Python and library imports, shutdown).
 
 With `--trl` (a vLLM config, one GPU; needs the `bench` extra), TRL's GRPOTrainer is set up beside
 it the same way, cold then warm, each in a child process with caches of its own: the same built
