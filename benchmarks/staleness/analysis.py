@@ -193,7 +193,10 @@ def under_load(published: Mapping[int, float], to_loaded: Mapping[int, float],
     runs = merged(list(busy))
     loaded = {v: s for v, s in to_loaded.items() if v in published}
     busy_at = {v: any(a <= published[v] < b for a, b in runs) for v in loaded}
-    out: dict[str, Any] = {"versions_published_generating": sum(busy_at.values())}
+    out: dict[str, Any] = {"versions_published_generating": sum(busy_at.values()),
+                           # each version's own figure, for what a p99 over a few versions hides
+                           "publish_to_loaded_ms_by_version": {v: round(1000.0 * s, 3) for v, s in loaded.items()},
+                           "published_generating": sorted(v for v, b in busy_at.items() if b)}
     for name, want in (("generating", True), ("idle", False)):
         ms = np.asarray([1000.0 * s for v, s in loaded.items() if busy_at[v] is want], dtype=np.float64)
         out[f"publish_to_loaded_{name}_ms_p50"] = float(np.median(ms)) if ms.size else None

@@ -148,7 +148,8 @@ def test_publish_to_serving_under_load_takes_the_versions_published_while_an_eng
     # begins: published to idle engines
     busy = [(4.0, 5.5), (0.5, 1.5), (5.2, 6.0), (2.0, 2.9), (3.1, 3.5)]
     r = analysis.under_load(published, to_loaded, busy)
-    assert r["versions_published_generating"] == 2
+    assert r["versions_published_generating"] == 2 and r["published_generating"] == [1, 3]
+    assert r["publish_to_loaded_ms_by_version"] == {1: 50.0, 2: 200.0, 3: 100.0}
     assert r["publish_to_loaded_generating_ms_p50"] == pytest.approx(75.0)  # versions 1 and 3
     assert r["publish_to_loaded_idle_ms_p50"] == pytest.approx(200.0) == r["publish_to_loaded_idle_ms_p99"]
     none = analysis.under_load(published, to_loaded, [])
