@@ -89,13 +89,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cache_env(caches: Path) -> dict[str, str]:
+    """This process's environment with vLLM's, torch inductor's and triton's caches under `caches`."""
+    return {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+            "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1"}
+
+
 def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, Any]:
     """`python run.py` once, its caches under `scratch`; what it took."""
     caches = scratch / "caches"
     out = scratch / f"run-{index}"
     cache = "warm" if caches.is_dir() else "cold"  # a scratch directory an earlier invocation filled is warm
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-           "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1"}
+    env = cache_env(caches)
     cmd = [sys.executable, str(REPO / "run.py"), "--steps", str(args.steps), "--out", str(out),
            "--set", f"model.cache_dir={caches / 'models'}", *[a for kv in args.set for a in ("--set", kv)]]
     if args.config:
@@ -234,8 +239,7 @@ def run_trl_child(settings: dict[str, Any], steps: int, scratch: Path, index: in
     result.unlink(missing_ok=True)  # an earlier invocation's, on the same scratch directory
     call.write_text(json.dumps({"settings": settings, "steps": steps, "out_dir": str(out / "trainer"),
                                 "result": str(result)}))
-    env = {**os.environ, "VLLM_CACHE_ROOT": str(caches / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
-           "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1",
+    env = {**cache_env(caches),
            # TRL sets vLLM's logging to ERROR unless told: its start-up lines are what vllm_parts reads
            "VLLM_LOGGING_LEVEL": "INFO",
            # TRL's colocated vLLM starts torch.distributed as one process of one

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -63,7 +62,7 @@ def child(args: argparse.Namespace) -> None:
     cfg = load_config(args.config, [*args.set, f"model.cache_dir={Path(caches) / 'models'}"])
     model = build.model_dir(cfg)
     t_model = time.monotonic()
-    [engine] = build.build_engines(cfg, model, 0, Path(caches) / "run")[:1]
+    engine = build.build_engines(cfg, model, 0, Path(caches) / "run")[0]  # examples/one_gpu.toml: the only one
 
     async def start_and_close() -> float:
         t0 = time.monotonic()
@@ -77,9 +76,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def one_start(args: argparse.Namespace, method: str, caches: Path) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_WORKER_MULTIPROC_METHOD": method, "VLLM_CACHE_ROOT": str(caches / "vllm"),
-           "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton"),
-           "PYTHONUNBUFFERED": "1"}
+    env = {**setup_time.cache_env(caches), "VLLM_WORKER_MULTIPROC_METHOD": method}
     cache = "warm" if (caches / "vllm").is_dir() else "cold"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", args.config,
            *[a for kv in args.set for a in ("--set", kv)], "--child", method, str(caches)]
