@@ -233,6 +233,8 @@ class VLLMEngineConfig:
 
     gpu_memory_utilization: float = 0.85  # per engine; two engines on one GPU need <= 0.45 each
     enforce_eager: bool = False  # skip torch.compile and CUDA graphs: starts faster, runs slower
+    torch_compile: bool = True  # vLLM's torch.compile of the model, run as piecewise and whole-batch CUDA graphs; false: no compile, whole-batch graphs only (starts faster; docs/results.md measures both)
+    start_method: Literal["spawn", "fork"] = "spawn"  # how an engine's core process starts: fork skips its imports of torch and vLLM, and needs this process to leave CUDA alone (trainer.separate_process)
     max_model_len: int = 2048  # prompt + completion tokens per sequence
     max_num_seqs: int = 1024  # sequences the scheduler runs at once
     # larger batches run eagerly, which halved a 0.5B model's tokens/s beyond 512 sequences
@@ -581,6 +583,11 @@ class RunConfig:
                               'reloads LoRA adapters at run time, not whole weights); use engine.kind = "vllm"')
         if self.pipeline.full_weight_swap == "in_flight":
             _check_in_flight_swaps(self)
+        if (self.engine.kind == "vllm" and self.engine.vllm.start_method == "fork" and self.trainer.kind == "peft"
+                and not self.trainer.separate_process and self.trainer.device.startswith("cuda")):
+            raise ConfigError(f'engine.vllm.start_method = "fork" needs trainer.separate_process = true: a trainer '
+                              f'on {self.trainer.device} in this process initialises CUDA, and vLLM then cannot '
+                              'fork its engine core (it spawns one)')
         if self.engine.kind == "vllm" and self.engine.vllm.max_lora_rank < self.trainer.lora_rank:
             raise ConfigError(f"engine.vllm.max_lora_rank ({self.engine.vllm.max_lora_rank}) must be >= "
                               f"trainer.lora_rank ({self.trainer.lora_rank}), or vLLM cannot load the adapters")

@@ -124,10 +124,24 @@ ENV_DEFAULTS = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",
     "VLLM_NO_USAGE_STATS": "1",
     "HF_HUB_OFFLINE": "1",  # models and adapters are local directories; never reach for the hub
-    # fork is unsafe once this process has touched the CUDA driver (torch.cuda.is_available() does,
-    # without torch noticing); vLLM forces spawn anyway whenever torch has initialised CUDA.
-    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    # torch.cuda.is_available() through NVML: cuInit in this process, which torch does not notice,
+    # leaves a forked engine core (engine.vllm.start_method = "fork") without CUDA
+    "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
 }
+
+
+def compilation_config(cfg: VLLMEngineConfig, *, lora: bool) -> dict[str, Any]:
+    """vLLM's compilation_config for an engine of `cfg` (in process, or `vllm serve`'s flag).
+
+    With LoRA, one graph per size, with LoRA: vLLM would capture each size again without it, for
+    batches on no adapter, which a run has only before its first version; the capture costs set-up
+    time. Without torch.compile (`torch_compile = false`), whole-batch CUDA graphs alone (vLLM's
+    "FULL", which on Hopper's FlashAttention 3 covers mixed prefill and decode batches; vLLM steps
+    down where an attention backend cannot): no compile, and half the graphs to capture."""
+    config: dict[str, Any] = {"cudagraph_specialize_lora": False} if lora else {}
+    if not cfg.torch_compile and not cfg.enforce_eager:
+        config.update(mode="NONE", cudagraph_mode="FULL")
+    return config
 
 SHARED_WEIGHTS_WORKER = "pipeline.engines.shared_weights.SharedWeightsWorker"  # vLLM's worker_extension_cls
 _FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM's finish_reason -> ours; others kept as is
@@ -424,6 +438,8 @@ class VLLMEngine:
     async def _start_locked(self) -> None:
         for key, value in ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        # read by vLLM as the core starts; every engine of a run has the same engine.vllm
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = self.cfg.start_method
         try:
             import torch
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -457,15 +473,12 @@ class VLLMEngine:
             # a run sizes it to its work (pipeline.loop.build.graph_sequences); 0 (an engine built on
             # its own): every batch the scheduler can form runs as a graph (vLLM alone stops at 512)
             max_cudagraph_capture_size=self.cfg.max_cudagraph_capture_size or self.cfg.max_num_seqs,
+            compilation_config=compilation_config(self.cfg, lora=not self.full_weights),
             # full weights: the worker can also load a version from the trainer's GPU memory
             # (trainer.publish = "memory"; pipeline.engines.shared_weights)
             **({"worker_extension_cls": SHARED_WEIGHTS_WORKER} if self.full_weights else {
                 "enable_lora": True, "max_lora_rank": self.cfg.max_lora_rank,
-                "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras,
-                # one graph per size, with LoRA: vLLM would capture each size again without it, for
-                # batches on no adapter, which a run has only before its first version; the capture
-                # costs set-up time
-                "compilation_config": {"cudagraph_specialize_lora": False}}),
+                "max_loras": self.max_loras, "max_cpu_loras": self.max_cpu_loras}),
             # raw == processed under the on-policy settings; raw is the path measured on our host.
             logprobs_mode="raw_logprobs" if on_policy else "processed_logprobs",
             disable_log_stats=True,  # vLLM's front end is CPU-bound here; its periodic stats are unused
@@ -474,6 +487,10 @@ class VLLMEngine:
             skip_tokenizer_init=skip_tokenizer,
         )
         cuda_was_initialized = torch.cuda.is_initialized()
+        if self.cfg.start_method == "fork" and cuda_was_initialized:
+            log.warning("engine_core_spawned", engine=self.name,
+                        note='engine.vllm.start_method = "fork", but this process has initialised CUDA (a model '
+                             "built or a trainer on a GPU here), so vLLM spawns the engine core instead")
         t0 = time.monotonic()
         closes = self._closes
         building = asyncio.get_running_loop().run_in_executor(None, self._build, AsyncLLM, args)

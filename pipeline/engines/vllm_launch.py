@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import random
 import signal
@@ -38,12 +39,13 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import structlog
 
+from pipeline.config.schema import VLLMEngineConfig
 from pipeline.devices import ENV_LOCK
-from pipeline.engines.vllm import physical_gpu, tokenizer_eos
+from pipeline.engines.vllm import compilation_config, physical_gpu, tokenizer_eos
 from pipeline.errors import ConfigError, EngineDeadError
 
 log = structlog.get_logger(__name__)
@@ -69,13 +71,16 @@ class VLLMServeProcess:
     def __init__(self, model_path: str | Path, log_path: str | Path, *, device: str = "cuda:0",
                  host: str = "127.0.0.1", port: int = 0, gpu_memory_utilization: float = 0.85,
                  max_model_len: int = 2048, max_num_seqs: int = 1024, max_lora_rank: int = 16, max_loras: int = 3,
-                 enforce_eager: bool = False, max_cudagraph_capture_size: int = 0, extra: Sequence[str] = (),
+                 enforce_eager: bool = False, max_cudagraph_capture_size: int = 0,
+                 compilation: dict[str, Any] | None = None, extra: Sequence[str] = (),
                  skip_tokenizer_init: bool = False, program: Sequence[str] = VLLM_SERVE,
                  grace_s: float = 30.0) -> None:
         """The defaults are engine.vllm's (max_loras: max_staleness + 2 at max_staleness 1).
 
         port: 0 = a free one, chosen now (so `url` is known before `start()`).
         max_cudagraph_capture_size: the largest batch captured as a CUDA graph; 0 = vLLM's own default.
+        compilation: `--compilation-config`; None = the in-process engine's with LoRA on engine.vllm's
+            defaults (pipeline.engines.vllm.compilation_config).
         extra: more `vllm serve` flags, appended as given.
         skip_tokenizer_init: start without the tokenizer where its files give the eos id (see above).
         program: the command the model path and flags are appended to; tests put a stand-in here.
@@ -95,8 +100,8 @@ class VLLMServeProcess:
         self.argv = [*program, str(self.model_path), "--host", host, "--port", str(self.port),
                      "--gpu-memory-utilization", str(gpu_memory_utilization), "--max-model-len", str(max_model_len),
                      "--max-num-seqs", str(max_num_seqs), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
-                     # as the in-process engine: graphs with LoRA only (engines.vllm says why)
-                     "--compilation-config", '{"cudagraph_specialize_lora": false}',
+                     "--compilation-config", json.dumps(compilation_config(VLLMEngineConfig(), lora=True)
+                                                        if compilation is None else compilation),
                      "--max-loras", str(max_loras), *(["--enforce-eager"] if enforce_eager else []),
                      *(["--max-cudagraph-capture-size", str(max_cudagraph_capture_size)]
                        if max_cudagraph_capture_size and not enforce_eager else []), *extra]

@@ -116,10 +116,13 @@ def tokenizer_of(cfg: RunConfig, tokenizer: Any, path: str | None) -> Any:
 
 
 def init_cuda(cfg: RunConfig) -> None:
-    """Initialise CUDA here, seeing every GPU, before a vLLM engine narrows CUDA_VISIBLE_DEVICES to
-    its own GPU while it starts (the trainer loads in a thread meanwhile)."""
-    in_process = cfg.engine.devices if cfg.engine.kind in ("transformers", "vllm") else ()  # not servers' GPUs
-    if any(d.startswith("cuda") for d in (*in_process, *cfg.trainer.rank_devices)):
+    """Initialise CUDA here, seeing every GPU, where this process computes on one: before a vLLM
+    engine narrows CUDA_VISIBLE_DEVICES to its own GPU while it starts (a trainer in this process
+    loads in a thread meanwhile). Not otherwise: vLLM forks its engine core only from a process that
+    has not (engine.vllm.start_method), and a trainer process or a vLLM engine core computes apart."""
+    here = [*(cfg.engine.devices if cfg.engine.kind == "transformers" else ()),
+            *(cfg.trainer.rank_devices if cfg.trainer.kind == "peft" and not cfg.trainer.separate_process else ())]
+    if any(d.startswith("cuda") for d in here):
         import torch
 
         torch.cuda.init()
@@ -270,6 +273,7 @@ def build_engines(cfg: RunConfig, model_path: str | None, start_step: int,
 def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed: int) -> list[Engine]:
     """One `vllm serve` of the model per engine.devices entry, each the engine of its own server:
     started by the engine's start() and stopped by its close(), so an engine restart is a new server."""
+    from pipeline.engines.vllm import compilation_config
     from pipeline.engines.vllm_launch import VLLM_SERVE, VLLMServeProcess
     from pipeline.engines.vllm_server import VLLMServerEngine
 
@@ -284,7 +288,7 @@ def launched_servers(cfg: RunConfig, model_path: str | None, log_dir: Path, seed
             port=sc.port + i if sc.port else 0, gpu_memory_utilization=vc.gpu_memory_utilization, max_model_len=vc.max_model_len,
             max_num_seqs=vc.max_num_seqs, max_lora_rank=vc.max_lora_rank,
             max_loras=sc.max_loaded_adapters or K + 2, enforce_eager=vc.enforce_eager,
-            max_cudagraph_capture_size=graph_sequences(cfg),
+            max_cudagraph_capture_size=graph_sequences(cfg), compilation=compilation_config(vc, lora=True),
             extra=("--dtype", vc.dtype, "--seed", str(seed + i), *sc.extra_args), skip_tokenizer_init=True,
             program=sc.command or VLLM_SERVE)
         engines.append(VLLMServerEngine(server.url, sampling=cfg.sampling, cfg=sc, max_staleness=K,

@@ -246,7 +246,7 @@ def test_graphs_are_captured_once_per_size_with_lora_only(tmp_path: Path, monkey
     args = RecordingAsyncLLM.instances[-1].args
     assert args.max_cudagraph_capture_size == 48
     if full_weights:
-        assert not hasattr(args, "enable_lora") and not hasattr(args, "compilation_config")
+        assert not hasattr(args, "enable_lora") and args.compilation_config == {}
     else:
         assert args.enable_lora and args.compilation_config == {"cudagraph_specialize_lora": False}
 
@@ -282,3 +282,37 @@ def test_vllm_starts_without_a_tokenizer_only_where_its_files_give_the_eos_id(
         word_level_tokenizer(where / "model", eos="<|end|>", eos_added=True, with_json=with_json)
         run_engine(where, monkeypatch, 2, body)
     assert seen == [(True, [5]), (False, None)]  # "<|end|>" was added after the 5 words
+
+
+@pytest.mark.parametrize("method, compiled", [("spawn", True), ("fork", False)])
+def test_the_engine_core_starts_as_engine_vllm_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    method: str, compiled: bool) -> None:
+    """start_method reaches vLLM as the core starts (VLLM_WORKER_MULTIPROC_METHOD, read then, whatever
+    the environment held before), and torch_compile = false asks for whole-batch graphs without compile."""
+    import os
+
+    seen: list[str | None] = []
+
+    class Recording(RecordingAsyncLLM):
+        @classmethod
+        def from_engine_args(cls, args: object) -> RecordingAsyncLLM:
+            seen.append(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD"))
+            return super().from_engine_args(args)
+
+    fake_vllm(monkeypatch)
+    monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", Recording)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn" if method == "fork" else "fork")  # the config wins
+    (tmp_path / "model").mkdir()
+    engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), device="cuda:0", max_staleness=1, name="start",
+                        cfg=VLLMEngineConfig(start_method=method, torch_compile=compiled))
+
+    async def main() -> None:
+        await engine.start()
+        await engine.close()
+
+    asyncio.run(main())
+    assert seen == [method]
+    config = RecordingAsyncLLM.instances[-1].args.compilation_config
+    assert config["cudagraph_specialize_lora"] is False
+    assert (config.get("mode"), config.get("cudagraph_mode")) == ((None, None) if compiled else ("NONE", "FULL"))

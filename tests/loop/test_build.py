@@ -132,3 +132,60 @@ def test_a_model_path_without_a_tokenizer_is_refused_naming_it_once_the_engines_
     p = Pipeline(cfg, prompts=PROMPTS, reward=constant, console=False)
     with pytest.raises(ConfigError, match=r"^model\.path: no tokenizer could be loaded from .*model"):
         p.run_sync()
+
+
+def test_without_torch_compile_engines_and_launched_servers_capture_whole_batch_graphs_only(tmp_path: Path) -> None:
+    """engine.vllm.torch_compile = false reaches vLLM, in process and in `vllm serve`'s flags: no
+    compile, whole-batch graphs (FULL) with LoRA's single set; eager engines are left eager."""
+    import json
+
+    from pipeline.engines.vllm import compilation_config
+
+    for compiled in (True, False):
+        cfg = load_config(None, {"engine.kind": "vllm", "engine.devices": ["cuda:0"],
+                                 "engine.vllm.torch_compile": compiled})
+        [engine] = build_engines(cfg, str(tmp_path), start_step=0)
+        assert engine.cfg.torch_compile is compiled
+        config = compilation_config(engine.cfg, lora=True)
+        assert config["cudagraph_specialize_lora"] is False  # one graph per size, with LoRA
+        assert (config.get("mode"), config.get("cudagraph_mode")) == ((None, None) if compiled else ("NONE", "FULL"))
+        served = load_config(None, {"engine.kind": "vllm_server", "engine.vllm_server.launch": True,
+                                    "engine.devices": ["cuda:0"], "engine.vllm.torch_compile": compiled})
+        [server] = build_engines(served, str(tmp_path), start_step=0, run_dir=tmp_path)
+        argv = server.server.argv
+        assert json.loads(argv[argv.index("--compilation-config") + 1]) == config
+    eager = load_config(None, {"engine.vllm.torch_compile": False, "engine.vllm.enforce_eager": True})
+    assert compilation_config(eager.engine.vllm, lora=False) == {}  # no graphs to capture at all
+
+
+@pytest.mark.parametrize("overrides, initialised", [
+    ({"engine.kind": "vllm", "engine.devices": ["cuda:0"], "trainer.device": "cuda:0"}, False),  # one_gpu.toml
+    ({"engine.kind": "vllm", "engine.devices": ["cuda:0"], "trainer.device": "cuda:0",
+      "trainer.separate_process": False}, True),  # the trainer loads in a thread of this process
+    ({"engine.kind": "transformers", "engine.devices": ["cuda:0"], "trainer.device": "cpu"}, True),
+    ({"engine.kind": "vllm_server", "engine.vllm_server.urls": ["http://h:8000"], "trainer.device": "cuda:0"}, False),
+    ({"engine.kind": "vllm", "engine.devices": ["cuda:0"], "trainer.kind": "simulated",
+      "trainer.separate_process": False}, False),
+])
+def test_cuda_is_initialised_here_only_where_this_process_computes_on_a_gpu(
+        overrides: dict[str, Any], initialised: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM engine core and a trainer process compute apart: this process then leaves CUDA alone,
+    so vLLM can fork its engine core (engine.vllm.start_method = "fork")."""
+    import torch
+
+    from pipeline.loop import build
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append(1))
+    build.init_cuda(load_config(None, overrides))
+    assert bool(calls) is initialised
+
+
+def test_forking_the_engine_core_beside_a_trainer_in_this_process_is_refused() -> None:
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match='start_method = "fork" needs trainer.separate_process = true'):
+        load_config(None, {"engine.kind": "vllm", "engine.devices": ["cuda:0"], "trainer.device": "cuda:0",
+                           "trainer.separate_process": False, "engine.vllm.start_method": "fork"})
+    load_config(None, {"engine.kind": "vllm", "engine.devices": ["cuda:0"], "trainer.device": "cuda:0",
+                       "engine.vllm.start_method": "fork"})  # the trainer in its own process: fine
