@@ -3,12 +3,13 @@
     python benchmarks/setup_time.py                                   # the CPU default, 3 steps
     python benchmarks/setup_time.py --config examples/one_gpu.toml --steps 3
 
-Each repeat runs `python run.py --config C --steps N` as a user would, in a child process. The
-first run is cold: an empty model cache (`model.cache_dir`, where built-in models are built
-once) and empty compile caches (vLLM's `VLLM_CACHE_ROOT`, torch inductor's and triton's), all in
-a scratch directory (unless `--scratch` names one an earlier invocation filled: then it is warm
-too, and the runs are numbered after that invocation's); the runs after it are warm (the same
-caches, so the model and vLLM's compiled graphs are reused). For each run: the child's whole
+Each repeat runs `python run.py --config C --steps N` as a user would, in a child process. A
+built-in model (model.path = "") is built first, in a process of its own and timed apart
+(`model_build_s`): a user's model is on disk before a run, and TRL's side reads the same one. The
+first run is cold: empty compile caches (vLLM's `VLLM_CACHE_ROOT`, torch inductor's and triton's),
+all in a scratch directory (unless `--scratch` names one an earlier invocation filled: then it is
+warm too, and the runs are numbered after that invocation's); the runs after it are warm (the same
+caches, so vLLM's compiled graphs are reused). For each run: the child's whole
 wall time, the set-up the run reports in its summary.json (`setup_s` and its parts: data, model,
 engines' start, trainer's start; engines and the trainer start together, so their parts
 overlap), the steps' wall time, and the rest (Python and library imports, shutdown).
@@ -95,6 +96,23 @@ def cache_env(caches: Path) -> dict[str, str]:
             "TRITON_CACHE_DIR": str(caches / "triton"), "PYTHONUNBUFFERED": "1"}
 
 
+def build_model(args: argparse.Namespace, scratch: Path) -> float | None:
+    """The run's built-in model built into scratch/models by a process of its own, as run.py would
+    build it; its seconds (None: model.path names the user's, or an earlier invocation built it)."""
+    models = scratch / "models"
+    if models.is_dir():
+        return None
+    code = ("import sys; from pipeline.config.io import load_config; from pipeline.loop import build; "
+            "cfg = load_config(sys.argv[1], sys.argv[2:]); print(build.model_dir(cfg) if not cfg.model.path else '')")
+    config = args.config or str(REPO / "examples" / "cpu_default.toml")  # run.py's own default
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, config, *args.set, f"model.cache_dir={models}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: building the model exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return time.monotonic() - t0 if proc.stdout.strip() else None
+
+
 def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, Any]:
     """`python run.py` once, its caches under `scratch`; what it took."""
     caches = scratch / "caches"
@@ -102,7 +120,7 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
     cache = "warm" if caches.is_dir() else "cold"  # a scratch directory an earlier invocation filled is warm
     env = cache_env(caches)
     cmd = [sys.executable, str(REPO / "run.py"), "--steps", str(args.steps), "--out", str(out),
-           "--set", f"model.cache_dir={caches / 'models'}", *[a for kv in args.set for a in ("--set", kv)]]
+           "--set", f"model.cache_dir={scratch / 'models'}", *[a for kv in args.set for a in ("--set", kv)]]
     if args.config:
         cmd[2:2] = ["--config", args.config]
     t0 = time.monotonic()
@@ -268,14 +286,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     path = Path(args.out) / f"{name}.json"
     runs: list[dict[str, Any]] = []
     trl: list[dict[str, Any]] = []
+    built: dict[str, float | None] = {"model_build_s": None}
 
     def keep_partial() -> None:  # what is measured so far survives a run that fails or a machine taken back
-        common.write_json(path, {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args),
+        common.write_json(path, {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args), **built,
                                  "runs": runs, "trl": trl, "partial": True})
 
     with tempfile.TemporaryDirectory(prefix="setup-time-") as tmp:
         scratch = Path(args.scratch) if args.scratch else Path(tmp)
         scratch.mkdir(parents=True, exist_ok=True)
+        if not args.trl_only:
+            built["model_build_s"] = build_model(args, scratch)
+            if built["model_build_s"] is not None:
+                print(f"model built in {built['model_build_s']:.1f} s (before the runs, apart)", flush=True)
         first = 0  # a scratch directory an earlier invocation used: its runs stay, these follow them
         while (scratch / f"run-{first}").exists():
             first += 1
@@ -315,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{common.hardware_tag(hw)}"
     text = f"set-up time -- {title}\n{tbl}"
     print(text, flush=True)
-    record = {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args), "runs": runs, "trl": trl,
+    record = {**common.header(BENCHMARK, argv), "hardware": hw, "settings": vars(args), **built, "runs": runs, "trl": trl,
               "table": tbl, "printed": text, "files": {"json": str(path)}}
     common.write_json(path, record)
     print(f"wrote {path}", flush=True)

@@ -169,6 +169,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "publishes that trainer's adapter again as the next version (real files, store and "
                         "engine loads). One GPU then measures what the pipeline costs the engine, as with "
                         "the trainer on a second GPU (the trainer's own CPU use is left out)")
+    m.add_argument("--replay-step-s", type=float, default=0.0,
+                   help="with --trainer sim: the stand-in sleeps this long a step instead of the real trainer's "
+                        "timed step (shorter: a generation-bound run, the engine busy when versions come; "
+                        "_replay<s>s in the file name); the ideal column still uses the real step")
     m.add_argument("--trainer-process", choices=("yes", "no"), default="yes",
                    help="train in a child process (trainer.separate_process, the default); no: in a thread, "
                         "where the step's GIL time slows the event loop and the engine it drives")
@@ -225,6 +229,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--gen-ratio/--ratios and --train-step-s must be > 0")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.replay_step_s and (args.replay_step_s < 0 or args.engine == "sim" or args.trainer != "sim"):
+        p.error(f"--replay-step-s takes a time > 0 with --trainer sim and a real engine, got {args.replay_step_s} "
+                f"with --engine {args.engine} --trainer {args.trainer}")
     if args.compare_in_process and args.engine != "vllm_server":
         p.error(f"--compare-in-process compares --engine vllm_server with the in-process engine, not --engine "
                 f"{args.engine}")
@@ -399,6 +406,8 @@ def result_name(w: Workload, args: argparse.Namespace, hw: dict[str, Any], kind:
     if args.set_overrides.get("pipeline.full_weight_swap") == "in_flight":  # groups carried across swaps
         full += "_in_flight"
     sim_trainer = "_simtrainer" if w.kind != "sim" and args.trainer == "sim" else ""
+    if sim_trainer and args.replay_step_s:
+        sim_trainer += f"_replay{args.replay_step_s:g}s"
     # a simulated sweep at another step time is another result, not a rerun of the default's
     step_s = f"_step{args.train_step_s:g}s" \
         if w.kind == "sim" and args.train_step_s != args.default_train_step_s else ""

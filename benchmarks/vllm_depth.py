@@ -10,7 +10,9 @@ versions in flight at once).
     python benchmarks/vllm_depth.py --settings 1024:512,1024:0,512:0 --groups 32,64,96,128,160
 
 A setting is `max_num_seqs:max_cudagraph_capture_size` (0 = max_num_seqs, the pipeline's default;
-vLLM's own default is min(2 x max_num_seqs, 512)); the JSON records the largest graph vLLM captured.
+vLLM's own default is min(2 x max_num_seqs, 512)), with `:nocompile` after it for an engine without
+torch.compile (engine.vllm.torch_compile = false: whole-batch CUDA graphs alone); the JSON records
+the largest graph vLLM captured.
 The JSON is rewritten after every setting, so a run cut short keeps what it measured.
 """
 
@@ -81,17 +83,19 @@ async def measure(a: argparse.Namespace, model_path: Path, adapters: list[Adapte
         return engine.standalone_throughput(prompts[:count], a.group_size, a.max_new_tokens, adapters=on)
 
     for setting in a.settings.split(","):
-        seqs, capture = (int(x) for x in setting.split(":"))
+        seqs, capture, compiled = parse_setting(setting)
         cfg = VLLMEngineConfig(gpu_memory_utilization=a.gpu_memory_utilization, max_model_len=a.max_model_len,
-                               max_num_seqs=seqs, max_cudagraph_capture_size=capture, max_lora_rank=a.lora_rank)
+                               max_num_seqs=seqs, max_cudagraph_capture_size=capture, max_lora_rank=a.lora_rank,
+                               torch_compile=compiled)
         engine = VLLMEngine(model_path, sampling=SamplingConfig(), cfg=cfg, device=a.device,
-                            max_staleness=max(a.adapters - 1, 0), name=f"seqs{seqs}-graphs{capture}", seed=a.seed)
+                            max_staleness=max(a.adapters - 1, 0),
+                            name=f"seqs{seqs}-graphs{capture}{'' if compiled else '-nocompile'}", seed=a.seed)
         t0 = time.monotonic()
         await engine.start()
         if not name:  # after vLLM's start: reading the GPUs' names initialises CUDA in this process
             result["hardware"] = common.hardware()
             name = f"vllm_depth_{a.model_shape}_{common.hardware_tag(result['hardware'])}.json"
-        row: dict[str, Any] = {"max_num_seqs": seqs, "max_cudagraph_capture_size": capture,
+        row: dict[str, Any] = {"max_num_seqs": seqs, "max_cudagraph_capture_size": capture, "torch_compile": compiled,
                                "graph_batch_max": engine.graph_batch_max, "start_s": round(time.monotonic() - t0, 1),
                                "base": {}, "adapters": {}}
         say(f"{setting}: started in {row['start_s']} s, CUDA graphs up to {engine.graph_batch_max} sequences")
@@ -108,18 +112,26 @@ async def measure(a: argparse.Namespace, model_path: Path, adapters: list[Adapte
             await engine.close()
         result["settings"][setting] = row
         common.write_json(out / name, result)
-    rows = [[f"{s['max_num_seqs']}:{s['max_cudagraph_capture_size']}", g * a.group_size,
-             s["base"][g]["tokens_per_s"], s["adapters"].get(g, {}).get("tokens_per_s")]
-            for s in result["settings"].values() for g in groups]
-    say(common.table(("seqs:graphs", "sequences", "base tok/s", f"{a.adapters} adapters tok/s"), rows))
+    rows = [[setting, row["start_s"], g * a.group_size, row["base"][g]["tokens_per_s"],
+             row["adapters"].get(g, {}).get("tokens_per_s")] for setting, row in result["settings"].items() for g in groups]
+    say(common.table(("setting", "start s", "sequences", "base tok/s", f"{a.adapters} adapters tok/s"), rows))
     common.write_json(out / name, result)
     print(f"wrote {out / name}")
+
+
+def parse_setting(setting: str) -> tuple[int, int, bool]:
+    """`seqs:graphs` or `seqs:graphs:nocompile` -> (max_num_seqs, max_cudagraph_capture_size, torch_compile)."""
+    seqs, capture, *rest = setting.split(":")
+    if rest not in ([], ["nocompile"]):
+        raise SystemExit(f"error: setting {setting!r}: after max_num_seqs:max_cudagraph_capture_size only "
+                         "':nocompile' may follow")
+    return int(seqs), int(capture), not rest
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--settings", default="1024:512,1024:0,512:0",
-                   help="max_num_seqs:max_cudagraph_capture_size,... (0 = max_num_seqs)")
+                   help="max_num_seqs:max_cudagraph_capture_size[:nocompile],... (0 = max_num_seqs)")
     p.add_argument("--groups", default="32,64,96,128,160", help="groups in flight, one measurement each")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)

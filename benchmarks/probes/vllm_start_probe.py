@@ -2,11 +2,11 @@
 
     python benchmarks/probes/vllm_start_probe.py --config examples/one_gpu.toml --out DIR
 
-A run's AsyncLLM starts its engine core as a second process, spawned (ENV_DEFAULTS): the child
-imports torch and vLLM afresh before it logs anything, 15-40 s of a warm start in the committed
-logs, which TRL's colocated `LLM` does not pay. vLLM forks instead when asked
-(VLLM_WORKER_MULTIPROC_METHOD=fork) unless this process has initialised CUDA, which a run does on
-purpose (`build.init_cuda`). Before the pipeline changes that, this says what a fork is worth.
+A run's AsyncLLM starts its engine core as a second process, spawned by default
+(engine.vllm.start_method): the child imports torch and vLLM afresh before it logs anything, 15-40 s
+of a warm start in the committed logs, which TRL's colocated `LLM` does not pay. With
+start_method = "fork" vLLM forks it, unless this process has initialised CUDA. This says what a
+fork is worth, apart from the rest of a run.
 
 Each start runs in a child process of its own that has not initialised CUDA and builds the run's
 engine from the config as `python run.py` would (`build.build_engines`, the built-in model built
@@ -59,7 +59,8 @@ def child(args: argparse.Namespace) -> None:
     from pipeline.loop import build
 
     method, caches = args.child
-    cfg = load_config(args.config, [*args.set, f"model.cache_dir={Path(caches) / 'models'}"])
+    cfg = load_config(args.config, [*args.set, f"model.cache_dir={Path(caches) / 'models'}",
+                                    f"engine.vllm.start_method={method}"])
     model = build.model_dir(cfg)
     t_model = time.monotonic()
     engine = build.build_engines(cfg, model, 0, Path(caches) / "run")[0]  # examples/one_gpu.toml: the only one
@@ -76,7 +77,7 @@ def child(args: argparse.Namespace) -> None:
 
 
 def one_start(args: argparse.Namespace, method: str, caches: Path) -> dict[str, Any]:
-    env = {**setup_time.cache_env(caches), "VLLM_WORKER_MULTIPROC_METHOD": method}
+    env = setup_time.cache_env(caches)
     cache = "warm" if (caches / "vllm").is_dir() else "cold"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--config", args.config,
            *[a for kv in args.set for a in ("--set", kv)], "--child", method, str(caches)]

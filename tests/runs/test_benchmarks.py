@@ -264,6 +264,7 @@ class StandInVLLM:
                                    seed=seed, name=name)
         self.name, self.busy, self.max_loras = name, self.sim.busy, max_staleness + 2
         self.graph_batch_max = 0  # no CUDA graphs in a stand-in
+        self.cfg = cfg
         self.max_context = cfg.max_model_len
         self.adapters: dict[str, str | None] = {}  # name -> directory
         self.closed = 0
@@ -317,14 +318,15 @@ def test_vllm_depth_measures_every_setting_and_depth_on_the_adapters(tmp_path: P
     depth = load("vllm_depth")
     StandInVLLM.instances.clear()
     monkeypatch.setattr(depth, "VLLMEngine", StandInVLLM)
-    args = depth.parse_args(["--settings", "64:0,32:16", "--groups", "2,3", "--group-size", "2", "--max-new-tokens",
+    args = depth.parse_args(["--settings", "64:0,32:16:nocompile", "--groups", "2,3", "--group-size", "2", "--max-new-tokens",
                              "4", "--adapters", "2", "--lora-rank", "8", "--model-shape", "tiny", "--model-cache",
                              str(model_cache), "--device", "cpu", "--out", str(tmp_path)])
     depth.common.run_async(depth.main(args))
     [path] = tmp_path.glob("vllm_depth_tiny_*.json")
     assert sorted(x.name for x in tmp_path.iterdir()) == [path.name]  # results only: no adapters in --out
     data = read_json(path)
-    assert list(data["settings"]) == ["64:0", "32:16"] and data["hardware"]["cpu_cores"] >= 1
+    assert list(data["settings"]) == ["64:0", "32:16:nocompile"] and data["hardware"]["cpu_cores"] >= 1
+    assert [e.cfg.torch_compile for e in StandInVLLM.instances] == [True, False]  # the engine was built so
     for engine, row in zip(StandInVLLM.instances, data["settings"].values(), strict=True):
         assert engine.closed == 1 and sorted(engine.adapters) == ["depth-probe-1", "depth-probe-2"]
         # loaded from real directories (the stand-in checks), scratch beside the model, removed at the end
@@ -332,7 +334,10 @@ def test_vllm_depth_measures_every_setting_and_depth_on_the_adapters(tmp_path: P
         for kind in ("base", "adapters"):
             assert {g: r["tokens"] for g, r in row[kind].items()} == {"2": 2 * 2 * 4, "3": 3 * 2 * 4}
             assert all(r["tokens_per_s"] > 0 for r in row[kind].values())
-    assert [(r["max_num_seqs"], r["max_cudagraph_capture_size"]) for r in data["settings"].values()] == [(64, 0), (32, 16)]
+    assert [(r["max_num_seqs"], r["max_cudagraph_capture_size"], r["torch_compile"]) for r in data["settings"].values()] \
+        == [(64, 0, True), (32, 16, False)]
+    with pytest.raises(SystemExit, match="only ':nocompile' may follow"):
+        depth.parse_setting("64:0:eager")
 
 
 def stand_in_sweep(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -441,6 +446,23 @@ def test_vllm_sweep_with_the_simulated_trainer_replays_the_real_trainers_step_an
         assert r["accounting_ok"] and r["logprob_check"] == {} and "reward_final" not in r
         cfg = tomllib.loads((tmp_path / "runs" / "vllm-tiny" / f"K{r['max_staleness']}" / "config.toml").read_text())
         assert cfg["trainer"]["kind"] == "simulated" and cfg["trainer"]["step_s"] == pytest.approx(st["t_train_step_s"])
+
+
+def test_vllm_sweeps_simulated_trainer_sleeps_a_step_it_is_given(tmp_path: Path, model_cache: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """--replay-step-s: the stand-in sleeps the step given (the run's config says so), not the real
+    trainer's; the file says so in its name, and a value without --trainer sim is refused."""
+    tvs = stand_in_sweep(monkeypatch)
+    [rec] = tvs.main(stand_in_argv(tmp_path, model_cache, "--trainer", "sim", "--replay-step-s", "0.0123",
+                                   "--keep-runs", str(tmp_path / "runs")))
+    assert "_simtrainer_replay0.0123s_" in Path(rec["files"]["json"]).name
+    data = read_json(rec["files"]["json"])
+    assert data["settings"]["replayed_step_s"] == 0.0123 != data["standalone"]["t_train_step_s"]
+    for r in data["results"]:
+        cfg = tomllib.loads((tmp_path / "runs" / "vllm-tiny" / f"K{r['max_staleness']}" / "config.toml").read_text())
+        assert cfg["trainer"]["step_s"] == 0.0123
+    with pytest.raises(SystemExit):
+        tvs.parse_args(["--engine", "vllm", "--replay-step-s", "0.5"])  # the real trainer: nothing to replay
 
 
 @pytest.mark.skipif(not Path("/proc/self/mounts").exists(), reason="reads Linux's mount table")
@@ -759,6 +781,8 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
 
     def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
         env = kw.get("env")
+        if cmd[1] == "-c":  # the built-in model, built before the runs
+            return built_model(cmd)
         if "--trl-child" in cmd:
             call = json.loads(Path(cmd[cmd.index("--trl-child") + 1]).read_text())
             trl.append((call, env))
@@ -819,6 +843,14 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
                  "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
 
 
+def built_model(cmd: list[str]) -> subprocess.CompletedProcess:
+    """setup_time's model build (`python -c CODE CONFIG OVERRIDES...`), as the code does it: the model
+    directory made under the model.cache_dir override, its path printed."""
+    cache = Path(next(a for a in cmd if a.startswith("model.cache_dir=")).partition("=")[2])
+    (cache / "built").mkdir(parents=True)
+    return subprocess.CompletedProcess(cmd, 0, stdout=f"{cache / 'built'}\n", stderr="")
+
+
 def vllm_log(compile_s: float, capture_s: int) -> str:
     """vLLM 0.24's start-up lines, as an engine core logs them (whole-init 50 s)."""
     return (f"(EngineCore pid=1) INFO [gpu_model_runner.py:5255] Model loading took 0.99 GiB memory and 0.95 seconds\n"
@@ -852,10 +884,16 @@ def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, mon
     calls: list[tuple[list[str], dict]] = []
     real_run = subprocess.run
 
+    builds: list[list[str]] = []
+
     def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        if cmd[1] == "-c":  # the built-in model, built before the runs
+            builds.append(cmd)
+            return built_model(cmd)
         if not str(cmd[1]).endswith("run.py"):  # what else asks the system (nvidia-smi, say)
             return real_run(cmd, **kw)
         env = kw["env"]
+        assert builds, "a run started before its model was built"
         calls.append((cmd, env))
         Path(env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)  # as run.py's engine or model cache does
         out = Path(cmd[cmd.index("--out") + 1])
@@ -875,11 +913,16 @@ def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, mon
     assert len(caches) == 1 and str(tmp_path / "scratch") in caches.pop()[0]  # one set of caches for all runs
     assert all(cmd[cmd.index("--steps") + 1] == "2" for cmd, _ in calls)
     assert Path(rec["files"]["json"]).name.startswith("setup_time_cpu_default_")
+    # the model was built once, apart, where every run finds it (outside the compile caches)
+    assert len(builds) == 1 and rec["model_build_s"] is not None
+    assert {cmd[cmd.index("--set") + 1] for cmd, _ in calls} == {f"model.cache_dir={tmp_path / 'scratch' / 'models'}"}
+    assert builds[0][-1] == f"model.cache_dir={tmp_path / 'scratch' / 'models'}"
     # a later invocation on that scratch directory: its runs follow the earlier ones, the first warm too
     calls.clear()
     rec = st.main(["--steps", "2", "--warm", "0", "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path),
                    "--tag", "_again"])
     assert [(r["run"], r["cache"]) for r in rec["runs"]] == [(3, "warm")]
+    assert len(builds) == 1 and rec["model_build_s"] is None  # found built
     assert (tmp_path / "scratch" / "run-0" / "summary.json").is_file()  # the earlier runs are left as they were
     # one with the caches copied to a new directory: warm as well
     shutil.copytree(tmp_path / "scratch" / "caches", tmp_path / "again" / "caches")
@@ -888,6 +931,8 @@ def test_setup_time_runs_cold_then_warm_on_one_set_of_caches(tmp_path: Path, mon
     assert [(r["run"], r["cache"]) for r in rec["runs"]] == [(0, "warm")]
 
     def failing(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        if cmd[1] == "-c":
+            return built_model(cmd)
         if not str(cmd[1]).endswith("run.py"):
             return real_run(cmd, **kw)
         return subprocess.CompletedProcess(cmd, 2, stdout="", stderr="error: model.path does not exist")
