@@ -51,7 +51,9 @@ Invariants (beyond the Engine protocol's):
 
 Placement. vLLM's engine core runs in a child process (`CoreEngineProcManager` starts
 `EngineCoreProc.run_engine_core` through multiprocessing; with one GPU the uniprocess executor
-runs the model in that child, on local rank 0 = the first GPU it can see). A child's visible GPUs
+runs the model in that child, on local rank 0 = the first GPU it can see), spawned or forked as
+engine.vllm.start_method says (a fork inherits this process's imports; vLLM spawns anyway once this
+process has initialised CUDA, and `start()` then says so). A child's visible GPUs
 are fixed by the environment it starts with, so `start()` sets CUDA_VISIBLE_DEVICES to the one
 physical GPU that `device` names (mapped through any CUDA_VISIBLE_DEVICES already set) only while
 the AsyncLLM is constructed -- the constructor starts the child and blocks until it reports
