@@ -24,6 +24,7 @@ loop, waking, then takes the core at once instead of at the next scheduler tick.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 from typing import Iterator, Sequence
@@ -52,6 +53,24 @@ def check_cuda_devices(named: Sequence[tuple[str, str]]) -> None:
         if int(device.partition(":")[2]) >= count:
             raise ConfigError(f'{key} = "{device}" but this machine has {count} CUDA device'
                               f'{"s" if count > 1 else ""} (cuda:0 to cuda:{count - 1})')
+
+
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def cuda_driver_initialized() -> bool:
+    """Whether this process has initialised the CUDA driver (cuInit), by torch or by anything else.
+
+    A forked child of such a process cannot use CUDA. vLLM checks only torch's own state before it
+    forks its engine core; torch.cuda.is_available() calls cuInit without torch counting CUDA as
+    initialised. The driver answers cuDeviceGetCount with CUDA_ERROR_NOT_INITIALIZED until cuInit,
+    and the question initialises nothing. False where there is no driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    count = ctypes.c_int()
+    return driver.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED
 
 
 @contextlib.contextmanager

@@ -234,7 +234,7 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float = 0.85  # per engine; two engines on one GPU need <= 0.45 each
     enforce_eager: bool = False  # skip torch.compile and CUDA graphs: starts faster, runs slower
     torch_compile: bool = True  # vLLM's torch.compile of the model, run as piecewise and whole-batch CUDA graphs; false: no compile, whole-batch graphs only (starts faster; docs/results.md measures both)
-    start_method: Literal["spawn", "fork"] = "spawn"  # how an engine's core process starts: fork skips its imports of torch and vLLM, and needs this process to leave CUDA alone (trainer.separate_process)
+    start_method: Literal["auto", "fork", "spawn"] = "auto"  # how an engine's core process starts: fork skips its imports of torch and vLLM (15 s of a start on an H100), and needs a process that has not initialised CUDA; auto = fork where this one has not, spawn where it has (a trainer in this process on a GPU, a built-in model just built on one)
     max_model_len: int = 2048  # prompt + completion tokens per sequence
     max_num_seqs: int = 1024  # sequences the scheduler runs at once
     # larger batches run eagerly, which halved a 0.5B model's tokens/s beyond 512 sequences

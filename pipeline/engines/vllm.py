@@ -51,9 +51,9 @@ Invariants (beyond the Engine protocol's):
 
 Placement. vLLM's engine core runs in a child process (`CoreEngineProcManager` starts
 `EngineCoreProc.run_engine_core` through multiprocessing; with one GPU the uniprocess executor
-runs the model in that child, on local rank 0 = the first GPU it can see), spawned or forked as
-engine.vllm.start_method says (a fork inherits this process's imports; vLLM spawns anyway once this
-process has initialised CUDA, and `start()` then says so). A child's visible GPUs
+runs the model in that child, on local rank 0 = the first GPU it can see), forked where this
+process has not initialised the CUDA driver (the child inherits this process's imports of torch and
+vLLM) and spawned where it has, or as engine.vllm.start_method says (`start_method`). A child's visible GPUs
 are fixed by the environment it starts with, so `start()` sets CUDA_VISIBLE_DEVICES to the one
 physical GPU that `device` names (mapped through any CUDA_VISIBLE_DEVICES already set) only while
 the AsyncLLM is constructed -- the constructor starts the child and blocks until it reports
@@ -95,7 +95,7 @@ import numpy as np
 import structlog
 
 from pipeline.config.schema import SamplingConfig, VLLMEngineConfig
-from pipeline.devices import ENV_LOCK, visible_devices
+from pipeline.devices import ENV_LOCK, cuda_driver_initialized, visible_devices
 from pipeline.engines.base import (
     check_adapter_dir,
     check_group_request,
@@ -130,6 +130,21 @@ ENV_DEFAULTS = {
     # leaves a forked engine core (engine.vllm.start_method = "fork") without CUDA
     "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
 }
+
+
+def start_method(asked: str, engine: str) -> str:
+    """How vLLM starts an engine core from this process (engine.vllm.start_method): fork only where
+    this process has not initialised the CUDA driver, whose forked child could not use CUDA. vLLM's
+    own check sees only torch's CUDA state; "fork" asked for where it cannot be is logged."""
+    if asked == "spawn":
+        return "spawn"
+    if not cuda_driver_initialized():
+        return "fork"
+    if asked == "fork":
+        log.warning("engine_core_spawned", engine=engine,
+                    note='engine.vllm.start_method = "fork", but this process has initialised CUDA (a model built '
+                         "or a trainer on a GPU here), so the engine core is spawned instead")
+    return "spawn"
 
 
 def compilation_config(cfg: VLLMEngineConfig, *, lora: bool) -> dict[str, Any]:
@@ -440,8 +455,6 @@ class VLLMEngine:
     async def _start_locked(self) -> None:
         for key, value in ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
-        # read by vLLM as the core starts; every engine of a run has the same engine.vllm
-        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = self.cfg.start_method
         try:
             import torch
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -489,10 +502,8 @@ class VLLMEngine:
             skip_tokenizer_init=skip_tokenizer,
         )
         cuda_was_initialized = torch.cuda.is_initialized()
-        if self.cfg.start_method == "fork" and cuda_was_initialized:
-            log.warning("engine_core_spawned", engine=self.name,
-                        note='engine.vllm.start_method = "fork", but this process has initialised CUDA (a model '
-                             "built or a trainer on a GPU here), so vLLM spawns the engine core instead")
+        # read by vLLM as the core starts; every engine of a run has the same engine.vllm
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method = start_method(self.cfg.start_method, self.name)
         t0 = time.monotonic()
         closes = self._closes
         building = asyncio.get_running_loop().run_in_executor(None, self._build, AsyncLLM, args)
@@ -518,7 +529,7 @@ class VLLMEngine:
                  physical_gpu=gpu, seconds=round(time.monotonic() - t0, 2), dtype=self.cfg.dtype,
                  max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, seed=self.seed,
                  logprobs_mode=args.logprobs_mode, max_model_len=self._max_model_len,
-                 graph_batch_max=self.graph_batch_max)
+                 graph_batch_max=self.graph_batch_max, start_method=method)
 
     def _build(self, async_llm: Any, args: Any) -> tuple[Any, str]:
         """The AsyncLLM on the engine's GPU, and that GPU's physical id (in a worker thread)."""

@@ -284,12 +284,19 @@ def test_vllm_starts_without_a_tokenizer_only_where_its_files_give_the_eos_id(
     assert seen == [(True, [5]), (False, None)]  # "<|end|>" was added after the 5 words
 
 
-@pytest.mark.parametrize("method, compiled", [("spawn", True), ("fork", False)])
-def test_the_engine_core_starts_as_engine_vllm_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    method: str, compiled: bool) -> None:
-    """start_method reaches vLLM as the core starts (VLLM_WORKER_MULTIPROC_METHOD, read then, whatever
-    the environment held before), and torch_compile = false asks for whole-batch graphs without compile."""
+@pytest.mark.parametrize("asked, initialised, used", [
+    ("auto", False, "fork"), ("auto", True, "spawn"), ("fork", False, "fork"), ("fork", True, "spawn"),
+    ("spawn", False, "spawn")])
+def test_the_engine_core_is_forked_only_from_a_process_without_cuda(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asked: str, initialised: bool, used: str) -> None:
+    """engine.vllm.start_method reaches vLLM as the core starts (VLLM_WORKER_MULTIPROC_METHOD, read
+    then, whatever the environment held before); a fork only where this process has not initialised
+    the CUDA driver, and "fork" asked for in vain is said."""
     import os
+
+    from structlog.testing import capture_logs
+
+    import pipeline.engines.vllm as engine_module
 
     seen: list[str | None] = []
 
@@ -301,18 +308,60 @@ def test_the_engine_core_starts_as_engine_vllm_says(tmp_path: Path, monkeypatch:
 
     fake_vllm(monkeypatch)
     monkeypatch.setattr(sys.modules["vllm.v1.engine.async_llm"], "AsyncLLM", Recording)
+    monkeypatch.setattr(engine_module, "cuda_driver_initialized", lambda: initialised)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn" if method == "fork" else "fork")  # the config wins
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn" if used == "fork" else "fork")  # the config wins
     (tmp_path / "model").mkdir()
     engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), device="cuda:0", max_staleness=1, name="start",
-                        cfg=VLLMEngineConfig(start_method=method, torch_compile=compiled))
+                        cfg=VLLMEngineConfig(start_method=asked))
 
     async def main() -> None:
         await engine.start()
         await engine.close()
 
-    asyncio.run(main())
-    assert seen == [method]
+    with capture_logs() as logs:
+        asyncio.run(main())
+    assert seen == [used]
+    assert [e["start_method"] for e in logs if e["event"] == "engine_started"] == [used]
+    assert any(e["event"] == "engine_core_spawned" for e in logs) is (asked == "fork" and used == "spawn")
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_without_torch_compile_the_engine_asks_for_whole_batch_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      compiled: bool) -> None:
+    fake_vllm(monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    (tmp_path / "model").mkdir()
+    engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), device="cuda:0", max_staleness=1, name="start",
+                        cfg=VLLMEngineConfig(torch_compile=compiled))
+    asyncio.run(engine.start())
     config = RecordingAsyncLLM.instances[-1].args.compilation_config
     assert config["cudagraph_specialize_lora"] is False
     assert (config.get("mode"), config.get("cudagraph_mode")) == ((None, None) if compiled else ("NONE", "FULL"))
+
+
+def test_the_driver_is_asked_whether_it_was_initialised_not_initialised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDeviceGetCount answers CUDA_ERROR_NOT_INITIALIZED (3) before cuInit and 0 after it."""
+    import ctypes
+
+    from pipeline import devices
+
+    for answer, initialised in ((3, False), (0, True)):
+        calls: list[str] = []
+
+        class Driver:
+            def cuDeviceGetCount(self, count: object, answer: int = answer) -> int:
+                calls.append("cuDeviceGetCount")
+                return answer
+
+            def __getattr__(self, name: str) -> object:  # cuInit or anything else would initialise it
+                raise AssertionError(f"the check called {name}")
+
+        monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver())
+        assert devices.cuda_driver_initialized() is initialised and calls == ["cuDeviceGetCount"]
+
+    def no_driver(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert devices.cuda_driver_initialized() is False
