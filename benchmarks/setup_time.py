@@ -20,7 +20,8 @@ model (ours builds it first), vLLM in colocate mode at the same share of the GPU
 group size, completion length and micro-batch, and the same number of steps. Its set-up is the
 GRPOTrainer constructor (the model, vLLM, the trainer), its steps the first `--steps` steps. With
 `--trl-only`, TRL's runs alone, on the model an earlier invocation with the same `--scratch` built
-(so the two halves fit in separate calls of a machine lent by the call).
+(so the two halves fit in separate calls of a machine lent by the call), its ratios against that
+invocation's runs (kept in the scratch's runs.json), cold with cold and warm with warm.
 
 Every run's vLLM start is split into the parts vLLM logs (`vllm_parts`: the front end's time from
 its config to the engine core's first line, which for an AsyncLLM holds the spawn of the core's
@@ -157,6 +158,18 @@ def vllm_parts(log: str) -> dict[str, float]:
 
         found["before_core_s"] = (at(core.group(1)) - at(front.group(1))).total_seconds()
     return found
+
+
+def compared(ours: list[dict[str, Any]], trl: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each TRL run with the first of our runs not yet taken whose caches were as cold or warm."""
+    left = list(ours)
+    pairs = []
+    for t in trl:
+        o = next((o for o in left if o["cache"] == t["cache"]), None)
+        if o is not None:
+            left.remove(o)
+            pairs.append((o, t))
+    return pairs
 
 
 def model_of(run_dir: Path) -> str | None:
@@ -302,8 +315,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         first = 0  # a scratch directory an earlier invocation used: its runs stay, these follow them
         while (scratch / f"run-{first}").exists():
             first += 1
+        earlier = scratch / "runs.json"  # ours, kept for a later --trl-only on this scratch to compare with
+        ours = json.loads(earlier.read_text()) if earlier.is_file() else []
         for i in range(first, first if args.trl_only else first + 1 + args.warm):
             runs.append(one_run(args, scratch, i))
+            ours.append({k: runs[-1][k] for k in ("run", "cache", "process_s", "setup_s")})
+            earlier.write_text(json.dumps(ours))
             keep_partial()
             r = runs[-1]
             print(f"run {i} ({r['cache']}): {r['process_s']:.1f} s in all, set-up {r['setup_s']:.1f} s, "
@@ -325,10 +342,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         trl_cols = ["run", "cache", "process_s", "setup_s", "imports_s", "steps_s", "first_step_s", "rest_s"]
         tbl += "\nTRL GRPOTrainer, vLLM colocate (set-up: its constructor)\n" + common.table(
             trl_cols, [[r[c] for c in trl_cols] for r in trl])
-        tbl += "\nours / TRL, set-up: " + ", ".join(f"{o['cache']} {o['setup_s'] / t['setup_s']:.2f}x"
-                                                     for o, t in zip(runs, trl))
-        tbl += "; whole process: " + ", ".join(f"{o['cache']} {o['process_s'] / t['process_s']:.2f}x"
-                                               for o, t in zip(runs, trl))
+        pairs = compared(runs or ours, trl)
+        tbl += f"\nours / TRL{'' if runs else ' (ours: runs ' + ', '.join(str(o['run']) for o, _ in pairs) + ' on this scratch)'}"
+        tbl += ", set-up: " + ", ".join(f"{o['cache']} {o['setup_s'] / t['setup_s']:.2f}x" for o, t in pairs)
+        tbl += "; whole process: " + ", ".join(f"{o['cache']} {o['process_s'] / t['process_s']:.2f}x" for o, t in pairs)
     parts = ["before_core_s", "init_engine_s", "weights_s", "compile_s", "profile_s", "capture_s", "graphs",
              "graphs_full"]
     tbl += "\nvLLM's start, as its log gives it\n" + common.table(

@@ -826,6 +826,8 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
     rec = st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--steps", "2", "--warm", "0", "--trl-only",
                    "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
     assert not ours and rec["runs"] == [] and trl[0][0]["settings"]["model_path"] == "/models/built"
+    # its runs compared with ours of the earlier invocation on that scratch: TRL's (now warm) 20 s with our warm 5 s
+    assert "ours / TRL (ours: runs 1 on this scratch), set-up: warm 0.25x" in rec["printed"]
     assert Path(rec["files"]["json"]).name.startswith("setup_time_trl_one_gpu_")
     with pytest.raises(SystemExit, match="no model under"):
         st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--trl-only", "--scratch", str(tmp_path / "new"),
