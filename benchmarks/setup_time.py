@@ -14,20 +14,21 @@ wall time, the set-up the run reports in its summary.json (`setup_s` and its par
 engines' start, trainer's start; engines and the trainer start together, so their parts
 overlap), the steps' wall time, and the rest (Python and library imports, shutdown).
 
-With `--trl` (a vLLM config, one GPU; needs the `bench` extra), TRL's GRPOTrainer is set up beside
-it the same way, cold then warm, each in a child process with caches of its own: the same built
-model (ours builds it first), vLLM in colocate mode at the same share of the GPU, the same LoRA,
-group size, completion length and micro-batch, and the same number of steps. Its set-up is the
-GRPOTrainer constructor (the model, vLLM, the trainer), its steps the first `--steps` steps. With
-`--trl-only`, TRL's runs alone, on the model an earlier invocation with the same `--scratch` built
-(so the two halves fit in separate calls of a machine lent by the call), its ratios against that
-invocation's runs (kept in the scratch's runs.json), cold with cold and warm with warm.
+With `--trl` (a vLLM config, one GPU, the engine in process or a `vllm serve` the run launches;
+needs the `bench` extra), TRL's GRPOTrainer is set up beside it the same way, cold then warm, each
+in a child process with caches of its own: the same built model (ours builds it first), vLLM in
+colocate mode at the same share of the GPU, the same LoRA, group size, completion length and micro-
+batch, and the same number of steps. Its set-up is the GRPOTrainer constructor (the model, vLLM, the
+trainer), its steps the first `--steps` steps. With `--trl-only`, TRL's runs alone, on the model an
+earlier invocation with the same `--scratch` built (so the two halves fit in separate calls of a
+machine lent by the call), its ratios against that invocation's runs (kept in the scratch's
+runs.json), cold with cold and warm with warm.
 
-Every run's vLLM start is split into the parts vLLM logs (`vllm_parts`: the front end's time from
-its config to the engine core's first line, which for an AsyncLLM holds the spawn of the core's
-process and its imports; then the core's weights, torch.compile, the memory profile before the KV
-cache, CUDA-graph capture and how many graphs, and its whole init), for ours and TRL's alike, so
-a gap between the two says where it is.
+Every run's vLLM start is split into the parts vLLM logs (a launched server's in its log under the
+run; `vllm_parts`: the front end's time from its config to the engine core's first line, which for
+an AsyncLLM holds the spawn of the core's process and its imports; then the core's weights,
+torch.compile, the memory profile before the KV cache, CUDA-graph capture and how many graphs, and
+its whole init), for ours and TRL's alike, so a gap between the two says where it is.
 
 Writes setup_time_<config>_<hardware>.json.
 """
@@ -139,7 +140,15 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
             "setup_s": s["setup_s"], **{k: s["setup"].get(k) for k in PARTS}, "steps_s": s["wall_s"],
             "rest_s": process_s - s["setup_s"] - s["wall_s"], "steps": s["steps"],
             "groups_per_s": s.get("groups_per_s"), "model_path": model_of(out),
-            "vllm_parts": vllm_parts(proc.stdout + proc.stderr), "console_tail": proc.stdout.splitlines()[-12:]}
+            "vllm_parts": vllm_parts(proc.stdout + proc.stderr + server_log(out)),
+            "console_tail": proc.stdout.splitlines()[-12:]}
+
+
+def server_log(run_dir: Path) -> str:
+    """The first launched `vllm serve`'s log of a run (engine.vllm_server.launch), where its start-up
+    lines are; "" for an in-process engine, whose lines are on the run's console."""
+    logs = sorted((run_dir / "servers").glob("vllm-server-*.log"))
+    return logs[0].read_text(errors="replace") if logs else ""
 
 
 def vllm_parts(log: str) -> dict[str, float]:
@@ -195,8 +204,10 @@ def trl_settings(config: str | None, overrides: Sequence[str], model_path: str) 
 
 def trl_settings_of(cfg: Any, model_path: str) -> dict[str, Any]:
     """What TRL's side takes from a resolved RunConfig of ours (full weights: TRL without a peft config)."""
-    if cfg.engine.kind != "vllm" or len(cfg.engine.devices) != 1:
-        raise SystemExit("error: --trl compares one in-process vLLM engine (engine.kind = \"vllm\", one device)")
+    launched = cfg.engine.kind == "vllm_server" and cfg.engine.vllm_server.launch
+    if cfg.engine.kind != "vllm" and not launched or len(cfg.engine.devices) != 1:
+        raise SystemExit("error: --trl compares one vLLM engine on one GPU: in process (engine.kind = \"vllm\") or "
+                         "a `vllm serve` the run launches (engine.kind = \"vllm_server\", vllm_server.launch = true)")
     t = cfg.trainer
     return {"model_path": model_path, "batch_groups": cfg.pipeline.batch_groups, "n": cfg.sampling.n,
             "max_new_tokens": cfg.sampling.max_new_tokens, "micro_batch": t.micro_batch_sequences or

@@ -845,6 +845,41 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
                  "--scratch", str(tmp_path / "scratch"), "--out", str(tmp_path)])
 
 
+def test_setup_time_reads_a_launched_servers_start_from_its_log_and_sets_trl_beside_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run on a `vllm serve` it launches: vLLM's parts come from the server's log under the run (its
+    console has none), and TRL's side takes the same settings; servers someone else started are refused."""
+    from pipeline.config.io import load_config
+
+    st = load("setup_time")
+    real_run = subprocess.run
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        if cmd[1] == "-c":
+            return built_model(cmd)
+        if not str(cmd[1]).endswith("run.py"):
+            return real_run(cmd, **kw)
+        Path(kw["env"]["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)
+        out = Path(cmd[cmd.index("--out") + 1])
+        (out / "servers").mkdir(parents=True)
+        (out / "servers" / "vllm-server-0.log").write_text(vllm_log(compile_s=7.5, capture_s=4))
+        (out / "summary.json").write_text(json.dumps({
+            "setup_s": 9.0, "wall_s": 1.0, "steps": 2, "groups_per_s": 3.0, "error": None,
+            "setup": {"data_s": 0.1, "model_s": 1.0, "engines_start_s": 2.0, "trainer_start_s": 3.0}}))
+        return subprocess.CompletedProcess(cmd, 0, stdout="ready\n", stderr="")
+
+    monkeypatch.setattr(st.subprocess, "run", fake_run)
+    launched = ["engine.kind=vllm_server", "engine.vllm_server.launch=true", "engine.devices=[\"cuda:0\"]"]
+    rec = st.main(["--config", str(REPO / "examples" / "one_gpu.toml"), "--warm", "0", "--out", str(tmp_path),
+                   "--scratch", str(tmp_path / "scratch"), *[a for kv in launched for a in ("--set", kv)]])
+    assert rec["runs"][0]["vllm_parts"]["compile_s"] == 7.5 and rec["runs"][0]["vllm_parts"]["capture_s"] == 4
+    cfg = load_config(str(REPO / "examples" / "one_gpu.toml"), launched)
+    assert st.trl_settings_of(cfg, "/m")["gpu_memory_utilization"] == 0.45
+    external = load_config(None, ["engine.kind=vllm_server", "engine.vllm_server.urls=[\"http://h:8000\"]"])
+    with pytest.raises(SystemExit, match="one vLLM engine on one GPU"):
+        st.trl_settings_of(external, "/m")
+
+
 def built_model(cmd: list[str]) -> subprocess.CompletedProcess:
     """setup_time's model build (`python -c CODE CONFIG OVERRIDES...`), as the code does it: the model
     directory made under the model.cache_dir override, its path printed."""
