@@ -17,11 +17,11 @@ overlap), the steps' wall time, and the rest (Python and library imports, shutdo
 With `--trl` (a vLLM config, one GPU, the engine in process or a `vllm serve` the run launches;
 needs the `bench` extra), TRL's GRPOTrainer is set up beside it the same way, cold then warm, each
 in a child process with caches of its own: the same built model (ours builds it first), vLLM in
-colocate mode at the same share of the GPU, the same LoRA, group size, completion length and micro-
-batch, and the same number of steps. Its set-up is the GRPOTrainer constructor (the model, vLLM, the
-trainer), its steps the first `--steps` steps. With `--trl-only`, TRL's runs alone, on the model an
-earlier invocation with the same `--scratch` built (so the two halves fit in separate calls of a
-machine lent by the call), its ratios against that invocation's runs (kept in the scratch's
+colocate mode at the same share of the GPU, the same LoRA, group size, completion length and
+micro-batch, and the same number of steps. Its set-up is the GRPOTrainer constructor (the model,
+vLLM, the trainer), its steps the first `--steps` steps. With `--trl-only`, TRL's runs alone, on the
+model an earlier invocation with the same `--scratch` built (so the two halves fit in separate calls
+of a machine lent by the call), its ratios against that invocation's runs (kept in the scratch's
 runs.json), cold with cold and warm with warm.
 
 Every run's vLLM start is split into the parts vLLM logs (a launched server's in its log under the
