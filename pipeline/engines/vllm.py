@@ -53,8 +53,8 @@ Placement. vLLM's engine core runs in a child process (`CoreEngineProcManager` s
 `EngineCoreProc.run_engine_core` through multiprocessing; with one GPU the uniprocess executor
 runs the model in that child, on local rank 0 = the first GPU it can see), forked where this
 process has not initialised the CUDA driver (the child inherits this process's imports of torch and
-vLLM) and spawned where it has, or as engine.vllm.start_method says (`start_method`). A child's visible GPUs
-are fixed by the environment it starts with, so `start()` sets CUDA_VISIBLE_DEVICES to the one
+vLLM) and spawned where it has, or as engine.vllm.start_method says (`start_method`). A child's
+visible GPUs are fixed by the environment it starts with, so `start()` sets CUDA_VISIBLE_DEVICES to the one
 physical GPU that `device` names (mapped through any CUDA_VISIBLE_DEVICES already set) only while
 the AsyncLLM is constructed -- the constructor starts the child and blocks until it reports
 ready -- and restores it right after. Later calls go to the child over ZMQ and the child keeps its
@@ -131,6 +131,10 @@ ENV_DEFAULTS = {
     "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
 }
 
+SHARED_WEIGHTS_WORKER = "pipeline.engines.shared_weights.SharedWeightsWorker"  # vLLM's worker_extension_cls
+_FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM's finish_reason -> ours; others kept as is
+_FAILED_REASONS = ("abort", "error")  # a completion that ended like this is no sample of the policy
+
 
 def start_method(asked: str, engine: str) -> str:
     """How vLLM starts an engine core from this process (engine.vllm.start_method): fork only where
@@ -159,10 +163,6 @@ def compilation_config(cfg: VLLMEngineConfig, *, lora: bool) -> dict[str, Any]:
     if not cfg.torch_compile and not cfg.enforce_eager:
         config.update(mode="NONE", cudagraph_mode="FULL")
     return config
-
-SHARED_WEIGHTS_WORKER = "pipeline.engines.shared_weights.SharedWeightsWorker"  # vLLM's worker_extension_cls
-_FINISH_REASONS = {"stop": "stop", "length": "length"}  # vLLM's finish_reason -> ours; others kept as is
-_FAILED_REASONS = ("abort", "error")  # a completion that ended like this is no sample of the policy
 
 
 @dataclass
