@@ -136,11 +136,14 @@ def one_run(args: argparse.Namespace, scratch: Path, index: int) -> dict[str, An
     s = json.loads(summary_path.read_text())
     if s.get("error"):
         raise SystemExit(f"error: run {index} ended with an error: {s['error']}")
+    parts = vllm_parts(proc.stdout + proc.stderr + server_log(out))
+    started = first_event(out, "engine_started")  # the in-process engine's import of vLLM, before its start
+    if "import_s" in started:
+        parts["import_s"] = started["import_s"]
     return {"run": index, "cache": cache, "process_s": process_s,
             "setup_s": s["setup_s"], **{k: s["setup"].get(k) for k in PARTS}, "steps_s": s["wall_s"],
             "rest_s": process_s - s["setup_s"] - s["wall_s"], "steps": s["steps"],
-            "groups_per_s": s.get("groups_per_s"), "model_path": model_of(out),
-            "vllm_parts": vllm_parts(proc.stdout + proc.stderr + server_log(out)),
+            "groups_per_s": s.get("groups_per_s"), "model_path": model_of(out), "vllm_parts": parts,
             "console_tail": proc.stdout.splitlines()[-12:]}
 
 
@@ -183,12 +186,17 @@ def compared(ours: list[dict[str, Any]], trl: list[dict[str, Any]]) -> list[tupl
 
 def model_of(run_dir: Path) -> str | None:
     """The model directory a run used (its pipeline_ready event; None if it logged none)."""
+    return first_event(run_dir, "pipeline_ready").get("model")
+
+
+def first_event(run_dir: Path, name: str) -> dict[str, Any]:
+    """A run's first event of that name in its events.jsonl ({} if none)."""
     events = run_dir / "events.jsonl"
     for line in events.read_text().splitlines() if events.is_file() else ():
         event = json.loads(line)
-        if event.get("event") == "pipeline_ready":
-            return event.get("model")
-    return None
+        if event.get("event") == name:
+            return event
+    return {}
 
 
 # ====================================================================== TRL beside it
@@ -357,8 +365,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tbl += f"\nours / TRL{'' if runs else ' (ours: runs ' + ', '.join(str(o['run']) for o, _ in pairs) + ' on this scratch)'}"
         tbl += ", set-up: " + ", ".join(f"{o['cache']} {o['setup_s'] / t['setup_s']:.2f}x" for o, t in pairs)
         tbl += "; whole process: " + ", ".join(f"{o['cache']} {o['process_s'] / t['process_s']:.2f}x" for o, t in pairs)
-    parts = ["before_core_s", "init_engine_s", "weights_s", "compile_s", "profile_s", "capture_s", "graphs",
-             "graphs_full"]
+    parts = ["import_s", "before_core_s", "init_engine_s", "weights_s", "compile_s", "profile_s", "capture_s",
+             "graphs", "graphs_full"]
     tbl += "\nvLLM's start, as its log gives it\n" + common.table(
         ["who", "cache", *parts], [[who, r["cache"], *(r["vllm_parts"].get(p) for p in parts)]
                                    for who, rows in (("ours", runs), ("TRL", trl)) for r in rows])

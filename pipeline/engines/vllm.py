@@ -455,6 +455,7 @@ class VLLMEngine:
     async def _start_locked(self) -> None:
         for key, value in ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
+        t_import = time.monotonic()  # the first start of a process imports vLLM (seconds; cold caches: more)
         try:
             import torch
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -467,6 +468,7 @@ class VLLMEngine:
         except ImportError as e:
             raise EngineDeadError(f"engine {self.name}: vLLM could not be imported ({e!r}); install it with "
                                   f"{INSTALL_HINT} (vllm==0.24.0, which needs a CUDA GPU)") from e
+        import_s = time.monotonic() - t_import
         self._vllm = {"TokensPrompt": TokensPrompt, "LoRARequest": LoRARequest, "SamplingParams": SamplingParams,
                       "FINAL_ONLY": RequestOutputKind.FINAL_ONLY, "DeadError": VLLMDeadError,
                       "GenerateError": EngineGenerateError}
@@ -529,7 +531,7 @@ class VLLMEngine:
                  physical_gpu=gpu, seconds=round(time.monotonic() - t0, 2), dtype=self.cfg.dtype,
                  max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras, seed=self.seed,
                  logprobs_mode=args.logprobs_mode, max_model_len=self._max_model_len,
-                 graph_batch_max=self.graph_batch_max, start_method=method)
+                 graph_batch_max=self.graph_batch_max, start_method=method, import_s=round(import_s, 2))
 
     def _build(self, async_llm: Any, args: Any) -> tuple[Any, str]:
         """The AsyncLLM on the engine's GPU, and that GPU's physical id (in a worker thread)."""

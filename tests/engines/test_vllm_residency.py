@@ -322,8 +322,45 @@ def test_the_engine_core_is_forked_only_from_a_process_without_cuda(
     with capture_logs() as logs:
         asyncio.run(main())
     assert seen == [used]
-    assert [e["start_method"] for e in logs if e["event"] == "engine_started"] == [used]
+    [started] = [e for e in logs if e["event"] == "engine_started"]
+    assert started["start_method"] == used
     assert any(e["event"] == "engine_core_spawned" for e in logs) is (asked == "fork" and used == "spawn")
+
+
+def test_the_engine_logs_vllms_import_apart_from_its_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first start's import of vLLM (seconds cold) is timed apart from the AsyncLLM's construction."""
+    import importlib.abc
+    import importlib.util
+    import time
+
+    from structlog.testing import capture_logs
+
+    fake_vllm(monkeypatch)
+    slow_name = "vllm.v1.engine.exceptions"
+    module = sys.modules[slow_name]
+    monkeypatch.delitem(sys.modules, slow_name)
+    monkeypatch.setattr(sys.modules["vllm.v1.engine"], "__path__", [], raising=False)  # a package, to import from
+
+    class SlowImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name: str, path: object, target: object = None) -> Any:
+            return importlib.util.spec_from_loader(name, self) if name == slow_name else None
+
+        def create_module(self, spec: Any) -> Any:
+            time.sleep(0.3)  # an import that takes a while
+            return module
+
+        def exec_module(self, m: Any) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "meta_path", [SlowImport(), *sys.meta_path])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    (tmp_path / "model").mkdir()
+    engine = VLLMEngine(tmp_path / "model", sampling=SamplingConfig(), cfg=VLLMEngineConfig(), device="cuda:0",
+                        max_staleness=1, name="import")
+    with capture_logs() as logs:
+        asyncio.run(engine.start())
+    [started] = [e for e in logs if e["event"] == "engine_started"]
+    assert started["import_s"] >= 0.3 and started["seconds"] < 0.3
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -796,7 +796,8 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
         Path(env["VLLM_CACHE_ROOT"]).mkdir(parents=True, exist_ok=True)
         out = Path(cmd[cmd.index("--out") + 1])
         out.mkdir(parents=True)
-        (out / "events.jsonl").write_text(json.dumps({"event": "pipeline_ready", "model": "/models/built"}) + "\n")
+        (out / "events.jsonl").write_text(json.dumps({"event": "engine_started", "import_s": 4.25}) + "\n"
+                                          + json.dumps({"event": "pipeline_ready", "model": "/models/built"}) + "\n")
         (out / "summary.json").write_text(json.dumps({
             "setup_s": 15.0 if len(ours) == 1 else 5.0, "wall_s": 1.0, "steps": 2, "groups_per_s": 3.0, "error": None,
             "setup": {"data_s": 0.1, "model_s": 1.0, "tokenizer_s": 1.0, "engines_start_s": 2.0, "trainer_start_s": 3.0}}))
@@ -816,6 +817,7 @@ def test_setup_time_sets_trl_up_beside_on_the_same_model_and_settings_with_cache
     assert "set-up: cold 0.75x, warm 0.50x" in rec["printed"]
     # each side's vLLM start in the parts its log names
     assert [r["vllm_parts"]["capture_s"] for r in rec["runs"] + rec["trl"]] == [25.0, 25.0, 3.0, 3.0]
+    assert [r["vllm_parts"].get("import_s") for r in rec["runs"] + rec["trl"]] == [4.25, 4.25, None, None]
     # every run's console output is kept beside it, TRL's too
     assert "Graph capturing finished in 3 secs" in (tmp_path / "scratch" / "trl-run-1.console.log").read_text()
     assert "Graph capturing finished in 25 secs" in (tmp_path / "scratch" / "run-0.console.log").read_text()
