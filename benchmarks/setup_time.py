@@ -104,11 +104,12 @@ def build_model(args: argparse.Namespace, scratch: Path) -> float | None:
     models = scratch / "models"
     if models.is_dir():
         return None
-    code = ("import sys; from pipeline.config.io import load_config; from pipeline.loop import build; "
-            "cfg = load_config(sys.argv[1], sys.argv[2:]); print(build.model_dir(cfg) if not cfg.model.path else '')")
-    config = args.config or str(REPO / "examples" / "cpu_default.toml")  # run.py's own default
+    # the config as run.py resolves it (its own default without --config); run.py is in the working directory
+    code = ("import sys, run; from pipeline.config.io import load_config; from pipeline.loop import build; "
+            "cfg = load_config(sys.argv[1] or run.DEFAULT_CONFIG, sys.argv[2:]); "
+            "print(build.model_dir(cfg) if not cfg.model.path else '')")
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code, config, *args.set, f"model.cache_dir={models}"],
+    proc = subprocess.run([sys.executable, "-c", code, args.config or "", *args.set, f"model.cache_dir={models}"],
                           cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
     if proc.returncode != 0:
         raise SystemExit(f"error: building the model exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")

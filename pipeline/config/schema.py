@@ -395,6 +395,11 @@ class TrainerConfig:
         """The device of each trainer process: trainer.devices, or trainer.device alone."""
         return self.devices or (self.device,)
 
+    @property
+    def gpu_in_run_process(self) -> bool:
+        """Whether the trainer computes on a GPU in the run's own process (a thread, not a process of its own)."""
+        return self.kind == "peft" and not self.separate_process and self.device.startswith("cuda")
+
     def __post_init__(self) -> None:
         _check_device("trainer.device", self.device)
         for i, d in enumerate(self.devices):
@@ -583,8 +588,7 @@ class RunConfig:
                               'reloads LoRA adapters at run time, not whole weights); use engine.kind = "vllm"')
         if self.pipeline.full_weight_swap == "in_flight":
             _check_in_flight_swaps(self)
-        if (self.engine.kind == "vllm" and self.engine.vllm.start_method == "fork" and self.trainer.kind == "peft"
-                and not self.trainer.separate_process and self.trainer.device.startswith("cuda")):
+        if self.engine.kind == "vllm" and self.engine.vllm.start_method == "fork" and self.trainer.gpu_in_run_process:
             raise ConfigError(f'engine.vllm.start_method = "fork" needs trainer.separate_process = true: a trainer '
                               f'on {self.trainer.device} in this process initialises CUDA, and vLLM then cannot '
                               'fork its engine core (it spawns one)')

@@ -50,20 +50,19 @@ Invariants (beyond the Engine protocol's):
   that lands while vLLM is still adding the n child requests (before `generate` can abort them).
 
 Placement. vLLM's engine core runs in a child process (`CoreEngineProcManager` starts
-`EngineCoreProc.run_engine_core` through multiprocessing; with one GPU the uniprocess executor
-runs the model in that child, on local rank 0 = the first GPU it can see), forked where this
-process has not initialised the CUDA driver (the child inherits this process's imports of torch and
-vLLM) and spawned where it has, or as engine.vllm.start_method says (`start_method`). A child's
-visible GPUs are fixed by the environment it starts with, so `start()` sets CUDA_VISIBLE_DEVICES to the one
+`EngineCoreProc.run_engine_core` through multiprocessing; with one GPU the uniprocess executor runs
+the model in that child, on local rank 0 = the first GPU it can see), forked where this process has
+not initialised the CUDA driver (the child inherits this process's imports of torch and vLLM) and
+spawned where it has, or as engine.vllm.start_method says (`start_method`). A child's visible GPUs
+are fixed by the environment it starts with, so `start()` sets CUDA_VISIBLE_DEVICES to the one
 physical GPU that `device` names (mapped through any CUDA_VISIBLE_DEVICES already set) only while
-the AsyncLLM is constructed -- the constructor starts the child and blocks until it reports
-ready -- and restores it right after. Later calls go to the child over ZMQ and the child keeps its
-own copy of the environment, so nothing reads the narrowed value again. This process's own CUDA
-(a trainer on another GPU) is unaffected once initialised; vLLM's front end does not initialise it
-(it queries GPUs through NVML), and `start()` warns if that ever changes.
-Two engines on one GPU work when started one after the other, each with its own
-`gpu_memory_utilization` (<= 0.45 each). Both, and an engine placed on the second GPU of two,
-are checked on H200s by tests/engines/test_vllm_gpu.py.
+the AsyncLLM is constructed -- the constructor starts the child and blocks until it reports ready --
+and restores it right after. Later calls go to the child over ZMQ and the child keeps its own copy
+of the environment, so nothing reads the narrowed value again. This process's own CUDA (a trainer on
+another GPU) is unaffected once initialised; vLLM's front end does not initialise it (it queries
+GPUs through NVML), and `start()` warns if that ever changes. Two engines on one GPU work when
+started one after the other, each with its own `gpu_memory_utilization` (<= 0.45 each). Both, and an
+engine placed on the second GPU of two, are checked on H200s by tests/engines/test_vllm_gpu.py.
 
 Start-up runs the AsyncLLM constructor in a worker thread: it waits for the engine core
 synchronously (tens of seconds even in eager mode, more with torch.compile and CUDA graphs), and a restart in the middle of a run must not stall the loop, the

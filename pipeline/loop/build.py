@@ -120,9 +120,8 @@ def init_cuda(cfg: RunConfig) -> None:
     engine narrows CUDA_VISIBLE_DEVICES to its own GPU while it starts (a trainer in this process
     loads in a thread meanwhile). Not otherwise: vLLM forks its engine core only from a process that
     has not (engine.vllm.start_method), and a trainer process or a vLLM engine core computes apart."""
-    here = [*(cfg.engine.devices if cfg.engine.kind == "transformers" else ()),
-            *(cfg.trainer.rank_devices if cfg.trainer.kind == "peft" and not cfg.trainer.separate_process else ())]
-    if any(d.startswith("cuda") for d in here):
+    engines_here = cfg.engine.devices if cfg.engine.kind == "transformers" else ()
+    if cfg.trainer.gpu_in_run_process or any(d.startswith("cuda") for d in engines_here):
         import torch
 
         torch.cuda.init()
